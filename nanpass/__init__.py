@@ -1,0 +1,18 @@
+"""nanpass: make PyTorch models numerically safe by rewriting their graphs."""
+
+from ._backend import Backend as Backend
+from ._backend import backend as backend
+from ._config import Config as Config
+from ._errors import CaptureError as CaptureError
+from ._errors import ConfigError as ConfigError
+from ._errors import NanpassError as NanpassError
+from ._errors import NanpassTypeError as NanpassTypeError
+from ._errors import RewriteError as RewriteError
+from ._harden import Hardened as Hardened
+from ._harden import harden as harden
+from ._rewrite import Change as Change
+from ._rewrite import summary as summary
+from ._rules import RULES as RULES
+from ._rules import Rule as Rule
+
+__version__ = "0.1.0"

@@ -1,0 +1,154 @@
+"""Options of ``harden`` and of the backend, validated once, with the valid choices in every error."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ._constants import bounds
+from ._errors import ConfigError
+from ._rules import BY_NAME, GUARDED
+
+MODES = ("guard", "off")
+INNERS = ("inductor", "aot_eager", "eager")
+
+
+def _choices(values: Iterable[str]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def _near(value: str, valid: Iterable[str]) -> str:
+    close = difflib.get_close_matches(value, list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _names(what: str, value, valid: tuple[str, ...]) -> frozenset[str]:
+    if isinstance(value, str):
+        value = [value]
+    try:
+        names = list(value)
+    except TypeError:
+        raise ConfigError(f"nanpass: {what} must be a list of op names, got {value!r}") from None
+    for name in names:
+        if name not in valid:
+            raise ConfigError(
+                f"nanpass: unknown op {name!r} in {what}{_near(str(name), valid)}; "
+                f"valid ops: {_choices(valid)}"
+            )
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str = "guard"
+    ops: frozenset[str] = frozenset(GUARDED)
+    exclude: tuple[str, ...] = ()  # module paths whose ops are left alone
+    constants: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    stable: bool = True  # apply the exact stable-form rewrites
+    inner: str = "inductor"  # backend only
+
+    def excluded(self, module_path: str) -> bool:
+        return any(module_path == p or module_path.startswith(p + ".") for p in self.exclude)
+
+    def consts(self, op: str):
+        overrides = dict(self.constants).get(op, ())
+        return _consts_fn(op, overrides)
+
+    def as_options(self) -> dict:
+        return {
+            "mode": self.mode,
+            "ops": sorted(self.ops),
+            "exclude": list(self.exclude),
+            "constants": {op: dict(kv) for op, kv in self.constants},
+            "stable": self.stable,
+        }
+
+
+@functools.lru_cache(maxsize=None)
+def _consts_fn(op: str, overrides: tuple[tuple[str, float], ...]):
+    defaults = BY_NAME[op].constants
+
+    @functools.lru_cache(maxsize=None)
+    def for_dtype(dtype: torch.dtype) -> dict[str, float]:
+        b = bounds(dtype)
+        values = {name: fn(b) for name, fn in defaults.items()}
+        for name, user in overrides:
+            # round the user's value into the dtype; it may only tighten the guard, so a
+            # 1e-8 that is 0 in float16 falls back to the dtype's own safe bound
+            v = float(torch.tensor(user, dtype=torch.float64).to(dtype))
+            if not math.isfinite(v):
+                continue
+            values[name] = max(values[name], v) if name.startswith("lo") else min(values[name], v)
+        return values
+
+    return for_dtype
+
+
+def make_config(
+    *,
+    mode: str = "guard",
+    ops: Iterable[str] | None = None,
+    exclude_ops: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    constants: Mapping[str, Mapping[str, float]] | None = None,
+    stable: bool = True,
+    inner: str = "inductor",
+    module_paths: Iterable[str] | None = None,
+) -> Config:
+    if mode not in MODES:
+        raise ConfigError(f"nanpass: unknown mode {mode!r}; valid modes: {_choices(MODES)}")
+    if inner not in INNERS:
+        raise ConfigError(f"nanpass: unknown inner compiler {inner!r}; valid: {_choices(INNERS)}")
+    chosen = set(GUARDED) if ops is None else set(_names("ops", ops, GUARDED))
+    chosen -= _names("exclude_ops", exclude_ops, GUARDED)
+    if isinstance(exclude, str):
+        exclude = [exclude]
+    paths = tuple(str(p) for p in exclude)
+    if module_paths is not None:
+        valid = [p for p in module_paths if p]
+        for p in paths:
+            if p not in valid:
+                shown = _choices(valid[:20]) + (", ..." if len(valid) > 20 else "")
+                raise ConfigError(
+                    f"nanpass: exclude names module {p!r}, which the model does not have"
+                    f"{_near(p, valid)}; its modules: {shown or '(none)'}"
+                )
+    consts = []
+    for op, values in (constants or {}).items():
+        if op not in GUARDED:
+            raise ConfigError(
+                f"nanpass: unknown op {op!r} in constants{_near(str(op), GUARDED)}; "
+                f"valid ops: {_choices(GUARDED)}"
+            )
+        valid_names = tuple(BY_NAME[op].constants)
+        if not isinstance(values, Mapping):
+            raise ConfigError(
+                f"nanpass: constants[{op!r}] must be a dict of {_choices(valid_names) or 'nothing'}, "
+                f"got {values!r}"
+            )
+        items = []
+        for name, v in values.items():
+            if name not in valid_names:
+                raise ConfigError(
+                    f"nanpass: op {op!r} has no constant {name!r}; "
+                    f"its constants: {_choices(valid_names) or '(none)'}"
+                )
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(
+                    f"nanpass: constants[{op!r}][{name!r}] must be a finite number, got {v!r}"
+                )
+            items.append((name, float(v)))
+        consts.append((op, tuple(sorted(items))))
+    return Config(
+        mode=mode,
+        ops=frozenset(chosen),
+        exclude=paths,
+        constants=tuple(sorted(consts)),
+        stable=bool(stable),
+        inner=inner,
+    )

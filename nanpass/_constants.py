@@ -1,0 +1,116 @@
+"""Guard constants, read from ``torch.finfo`` of the operand and rounded into its dtype.
+
+A fixed 1e-8 is 0 in float16 and ``1 - 1e-8`` is 1.0 in float32, so every bound here is
+found in the dtype itself: start from the float64 estimate, round into the dtype, and step
+one ulp at a time towards safety until the op (and its derivative) is finite there.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def _t(value: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64).to(dtype)
+
+
+def _step(t: torch.Tensor, towards: float) -> torch.Tensor:
+    return torch.nextafter(t, torch.tensor(towards, dtype=t.dtype))
+
+
+def _finite(*ts: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in ts)
+
+
+def _walk(start: float, dtype: torch.dtype, towards: float, ok: Callable) -> float:
+    """The first value from ``start`` (rounded into dtype) towards ``towards`` where ok(t)."""
+    # float64 estimates can sit a few float32 ulps on the wrong side; nudge them first
+    t = _t(start, dtype)
+    if not (_finite(t) and ok(t)) and dtype in (torch.float32, torch.float64):
+        t = _t(start + math.copysign(abs(start) * 1e-4, towards - start), dtype)
+    for _ in range(4096):
+        if _finite(t) and ok(t):
+            return float(t.item())
+        t = _step(t, towards)
+    raise AssertionError(f"no safe bound found for {dtype} from {start}")  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Per-dtype constants; every field is exactly representable in the dtype."""
+
+    dtype: torch.dtype
+    tiny: float  # smallest normal: log, rsqrt, xlogy and logit stay finite above it
+    max: float  # largest finite: where +-inf inputs and overflowing outputs saturate
+    eps: float
+    below_one: float  # largest value < 1: atanh and logit stay finite below it
+    above_minus_one: float  # smallest value > -1: log1p and atanh stay finite above it
+    exp_hi: float  # largest x with exp(x) finite (one ulp of slack for other backends)
+    exp2_hi: float
+    mask_low: float  # a finite "minus infinity" for attention masks; two of them still add up finite
+
+
+@functools.lru_cache(maxsize=None)
+def bounds(dtype: torch.dtype) -> Bounds:
+    fi = torch.finfo(dtype)
+
+    def exp_bound(fn: Callable, start: float) -> float:
+        hi = _walk(start, dtype, -math.inf, lambda t: _finite(fn(t)))
+        return float(_step(_t(hi, dtype), -math.inf).item())
+
+    one = torch.tensor(1.0, dtype=dtype)
+    return Bounds(
+        dtype=dtype,
+        tiny=float(fi.tiny),
+        max=float(fi.max),
+        eps=float(fi.eps),
+        below_one=float(_step(one, 0.0).item()),
+        above_minus_one=float(_step(-one, 0.0).item()),
+        exp_hi=exp_bound(torch.exp, math.log(fi.max)),
+        exp2_hi=exp_bound(torch.exp2, math.log2(fi.max)),
+        mask_low=float(_t(fi.min / 4, dtype).item()),
+    )
+
+
+@dataclass(frozen=True)
+class PowDomain:
+    """How ``x ** p`` (p a Python number) is kept finite: clamp into [lo, hi], or push
+    ``|x| < away`` out to ``away`` when the domain excludes a neighbourhood of 0."""
+
+    lo: float | None
+    hi: float | None
+    away: float | None = None
+
+
+@functools.lru_cache(maxsize=1024)
+def pow_domain(p: float, dtype: torch.dtype) -> PowDomain | None:
+    """None when ``x ** p`` is finite with a finite gradient for every finite x."""
+    fi = torch.finfo(dtype)
+    integer = float(p).is_integer()
+    if p in (0.0, 1.0):
+        return None
+
+    def ok(t: torch.Tensor) -> bool:
+        # value and the derivative p * t ** (p - 1), as autograd computes them
+        return _finite(t.abs() ** p, p * t.abs() ** (p - 1))
+
+    log_max = math.log(fi.max)
+    if p > 0:
+        start = fi.max
+        if p > 1:  # |x| ** p <= max and p * |x| ** (p - 1) <= max
+            start = math.exp(
+                min(log_max, log_max / p, log_max / (p - 1), (log_max - math.log(p)) / (p - 1))
+            )
+        c = _walk(min(start, fi.max), dtype, 0.0, ok)
+        return PowDomain(lo=-c if integer else 0.0, hi=c)
+    # p < 0: x ** p blows up at 0; the smallest magnitude where value and derivative are finite
+    start = math.exp(max(log_max / p, log_max / (p - 1), (math.log(-p) - log_max) / (1 - p)))
+    m = _walk(start, dtype, math.inf, ok)
+    if integer:
+        return PowDomain(lo=None, hi=None, away=m)
+    return PowDomain(lo=m, hi=fi.max)

@@ -1,0 +1,234 @@
+"""Guard implementations: the safe forms the rewrite swaps in.
+
+Every guard is ``impl(fn, args, kwargs, consts)``: ``fn`` is the op as the user spelled it
+(``torch.log``, ``Tensor.log``, an ``nn.Softmax`` instance, ...), so the user's own argument
+order and keywords pass through untouched and the same kernel runs. A guard only changes the
+operands outside the op's safe domain, with three building blocks:
+
+* ``torch.clamp`` into a closed domain where the op and its derivative are finite: identity
+  inside (value and gradient bitwise), zero gradient outside;
+* ``torch.nan_to_num`` to map +-inf to +-max (identity on finite values);
+* ``finite_grad``: identity forward; in backward, a gradient that is not finite becomes 0.
+  This is what defeats the double-where trap: the op never sees an unsafe operand, and a
+  derivative that is infinite at the boundary (sqrt at 0, acos at 1) cannot leak NaN.
+
+Constants come from ``consts(dtype)``: ``torch.finfo`` of the operand, tightened by the user's
+per-op overrides.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import numbers
+from collections.abc import Callable
+
+import torch
+
+from ._constants import PowDomain, bounds, pow_domain
+
+Tensor = torch.Tensor
+
+
+class _FiniteGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        # a fresh tensor: never write into grad (it may be an expanded view)
+        return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def finite_grad(x):
+    """Identity whose backward replaces a non-finite gradient by 0."""
+    if isinstance(x, Tensor) and x.requires_grad:
+        return _FiniteGrad.apply(x)
+    return x
+
+
+def finite(x, b=None):
+    """+-inf to +-max, NaN to 0: identity on finite values, zero gradient elsewhere."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        return x
+    b = b or bounds(x.dtype)
+    return torch.nan_to_num(x, nan=0.0, posinf=b.max, neginf=-b.max)
+
+
+def finite_all(out):
+    if isinstance(out, tuple):
+        return tuple(finite(o) for o in out)
+    return finite(out)
+
+
+def operands(args: tuple, kwargs: dict, names: tuple[str, ...]):
+    """Split (operands, rest positional, rest keywords), reading operands positionally first."""
+    ops = list(args[: len(names)])
+    kw = dict(kwargs)
+    for name in names[len(ops) :]:
+        for alias in (name, "self") if name == "input" else (name,):
+            if alias in kw:
+                ops.append(kw.pop(alias))
+                break
+    return ops, args[len(names) :], kw
+
+
+def _unary(args, kwargs):
+    (x,), rest, kw = operands(args, kwargs, ("input",))
+    return x, rest, kw
+
+
+# -- elementwise ops with a closed safe domain ----------------------------------------------
+
+
+def clamped(lo: str | None, hi: str | None) -> Callable:
+    """fn(clamp(x, lo, hi)) with a finite-gradient fence between clamp and fn."""
+
+    def impl(fn, args, kwargs, consts):
+        x, rest, kw = _unary(args, kwargs)
+        c = consts(x.dtype)
+        xs = torch.clamp(x, c[lo] if lo else None, c[hi] if hi else None)
+        return fn(finite_grad(xs), *rest, **kw)
+
+    return impl
+
+
+def logit(fn, args, kwargs, consts):
+    x, rest, kw = _unary(args, kwargs)
+    c = consts(x.dtype)
+    eps = rest[0] if rest else kw.get("eps")
+    lo, hi = c["lo"], c["hi"]
+    if eps is not None:  # respect the user's eps, but never 1 - eps == 1.0
+        lo = max(lo, float(torch.tensor(eps, dtype=x.dtype)))
+        hi = min(hi, float(1 - torch.tensor(eps, dtype=x.dtype)))
+    return fn(finite_grad(torch.clamp(x, lo, hi)), *rest, **kw)
+
+
+# -- division -----------------------------------------------------------------------------
+
+
+def _quotient(q: Tensor, zero, consts) -> Tensor:
+    """0 where the divisor is 0 (as tf.math.divide_no_nan), +-max where the quotient overflows."""
+    if isinstance(zero, Tensor):
+        q = torch.where(zero, 0.0, q)
+    elif zero:
+        q = torch.zeros_like(q)
+    c = consts(q.dtype)
+    return torch.nan_to_num(q, nan=0.0, posinf=c["max"], neginf=-c["max"])
+
+
+def div(fn, args, kwargs, consts):
+    (x, d), rest, kw = operands(args, kwargs, ("input", "other"))
+    q = fn(finite_grad(x), finite_grad(d), *rest, **kw)
+    if not q.is_floating_point():
+        return q
+    return _quotient(q, d == 0, consts)
+
+
+def reciprocal(fn, args, kwargs, consts):
+    x, rest, kw = _unary(args, kwargs)
+    return _quotient(fn(finite_grad(x), *rest, **kw), x == 0, consts)
+
+
+# -- pow ----------------------------------------------------------------------------------
+
+
+def _away_from_zero(x: Tensor, m: float) -> Tensor:
+    return torch.where(x.abs() < m, torch.where(x < 0, -m, m).to(x.dtype), x)
+
+
+def pow_(fn, args, kwargs, consts):
+    (x, p), rest, kw = operands(args, kwargs, ("input", "exponent"))
+    if isinstance(x, Tensor) and isinstance(p, numbers.Real) and not isinstance(p, bool):
+        dom: PowDomain | None = pow_domain(float(p), x.dtype)
+        if dom is None:
+            return fn(x, p, *rest, **kw)
+        xs = _away_from_zero(x, dom.away) if dom.away else torch.clamp(x, dom.lo, dom.hi)
+        return fn(finite_grad(xs), p, *rest, **kw)
+    # a tensor exponent: any base, any exponent; saturate the value, fence the gradients
+    return finite(fn(finite_grad(x), finite_grad(p), *rest, **kw))
+
+
+# -- softmax family -----------------------------------------------------------------------
+
+
+def softmax(fn, args, kwargs, consts):
+    """A row of -inf becomes uniform (the limit of equal logits); +inf cannot make NaN."""
+    x, rest, kw = _unary(args, kwargs)
+    return fn(finite(x), *rest, **kw)
+
+
+def finite_in_out(fn, args, kwargs, consts):
+    """log_softmax, logsumexp: finite operand, and the result saturated (it can reach -inf)."""
+    x, rest, kw = _unary(args, kwargs)
+    return finite(fn(finite(x), *rest, **kw))
+
+
+def finite_result(fn, args, kwargs, consts):
+    """std/var: NaN when there are too few elements (0 instead), infinite gradient at 0 spread."""
+    x, rest, kw = _unary(args, kwargs)
+    return finite_all(fn(finite_grad(x), *rest, **kw))
+
+
+def xlogy(fn, args, kwargs, consts):
+    (x, y), rest, kw = operands(args, kwargs, ("input", "other"))
+    if isinstance(y, Tensor):
+        c = consts(y.dtype)
+        y = finite_grad(torch.clamp(y, c["lo"], c["hi"]))
+    return finite(fn(finite_grad(x), y, *rest, **kw))
+
+
+# -- composite calls ----------------------------------------------------------------------
+
+
+def loss(fn, args, kwargs, consts):
+    """cross_entropy / nll_loss / kl_div: +-inf logits, 0/0 when every target is ignored."""
+    (x, t), rest, kw = operands(args, kwargs, ("input", "target"))
+    return finite(fn(finite_grad(finite(x)), finite_grad(finite(t)), *rest, **kw))
+
+
+def cosine_similarity(fn, args, kwargs, consts):
+    """Rounding can put a cosine past +-1 (acos then gives NaN); clamp it back."""
+    (a, b), rest, kw = operands(args, kwargs, ("x1", "x2"))
+    out = fn(finite_grad(finite(a)), finite_grad(finite(b)), *rest, **kw)
+    return torch.clamp(out, -1.0, 1.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(kind: type | Callable) -> inspect.Signature:
+    if isinstance(kind, type):
+        return inspect.signature(kind.forward)
+    return inspect.signature(kind)
+
+
+def _finite_mask(mask, dtype: torch.dtype):
+    """-inf (or a bool True) becomes a large finite negative: a fully masked row stays finite,
+    and every other row gets exactly the same softmax (exp of either underflows to 0)."""
+    if mask is None:
+        return None
+    low = bounds(dtype).mask_low
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, low)
+    return torch.clamp(mask.to(dtype), min=low)
+
+
+def attention(fn, args, kwargs, consts):
+    """nn.MultiheadAttention / F.multi_head_attention_forward: rows whose every key is masked."""
+    kind = type(fn) if isinstance(fn, torch.nn.Module) else fn
+    sig = _signature(kind)
+    params = list(sig.parameters)
+    if params and params[0] == "self":
+        params = params[1:]
+    bound = dict(zip(params, args, strict=False))
+    bound.update(kwargs)
+    dtype = bound["query"].dtype
+    if dtype.is_floating_point:
+        for name in ("key_padding_mask", "attn_mask"):
+            if bound.get(name) is not None:
+                bound[name] = _finite_mask(bound[name], dtype)
+    return fn(**bound)

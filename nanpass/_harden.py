@@ -1,0 +1,192 @@
+"""``nanpass.harden``: a module that shares the original's parameters and runs a guarded graph."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.fx as fx
+
+from . import _capture
+from ._backend import compile_graph
+from ._config import Config, make_config
+from ._errors import CaptureError, NanpassTypeError
+from ._rewrite import Change, rewrite, summary
+
+
+class Hardened(torch.nn.Module):
+    """The hardened model. Its parameters, buffers and submodules *are* the original's (the
+    same registries), so ``state_dict`` keys, optimizers and ``.to()`` carry over; only the
+    forward differs. Use ``nanpass.harden`` to make one."""
+
+    def __init__(self, model: torch.nn.Module, config: Config):
+        super().__init__()
+        d = self.__dict__
+        for registry in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            d[registry] = getattr(model, registry)
+        d["_nanpass_model"] = model
+        d["_nanpass_config"] = config
+        d["_nanpass_sig"] = inspect.signature(model.forward)
+        d["_nanpass_fx"] = {}  # key -> (GraphModule, runner, changes)
+        d["_nanpass_fx_error"] = None  # why fx could not trace (then dynamo captures)
+        d["_nanpass_dynamo"] = None
+        d["_nanpass_graphs"] = []  # dynamo: (GraphModule code, changes) per captured graph
+        self.training = model.training
+        if config.mode != "off":
+            try:
+                key = _capture.default_key(self._nanpass_sig, model.training)
+            except _capture.Unkeyable as e:
+                d["_nanpass_fx_error"] = str(e)
+            else:
+                self._fx_entry(key)
+
+    # -- capture ---------------------------------------------------------------------------
+    def _fx_entry(self, key):
+        entry = self._nanpass_fx.get(key)
+        if entry is not None or self._nanpass_fx_error is not None:
+            return entry
+        try:
+            gm = _capture.fx_trace(self._nanpass_model, key)
+        except Exception as e:  # fx cannot trace this model: dynamo will
+            self.__dict__["_nanpass_fx_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            return None
+        changes = rewrite(gm, self._nanpass_config)
+        entry = (gm, _capture.runner(self._nanpass_model, gm), changes)
+        self._nanpass_fx[key] = entry
+        return entry
+
+    def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
+        def keep(graph_code, changes):
+            self._nanpass_graphs.append((graph_code, changes))
+
+        return compile_graph(gm, example_inputs, self._nanpass_config, "eager", keep)
+
+    def _dynamo_call(self, args, kwargs):
+        if self._nanpass_dynamo is None:
+            self.__dict__["_nanpass_dynamo"] = torch.compile(
+                self._nanpass_model, backend=self._dynamo_backend
+            )
+        out = self._nanpass_dynamo(*args, **kwargs)
+        if not self._nanpass_graphs:
+            fn = type(self._nanpass_model).forward
+            code = getattr(fn, "__code__", None)
+            where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+            raise CaptureError(
+                f"nanpass: could not capture {type(self._nanpass_model).__name__}.forward{where}: "
+                f"torch.fx failed ({self._nanpass_fx_error}) and dynamo captured no graph, "
+                "so its ops would run unguarded"
+            )
+        return out
+
+    def forward(self, *args, **kwargs):
+        model = self._nanpass_model
+        if self._nanpass_config.mode == "off":
+            return model(*args, **kwargs)
+        if self._nanpass_fx_error is None:
+            try:
+                key, bound = _capture.call_key(self._nanpass_sig, self.training, args, kwargs)
+            except _capture.Unkeyable as e:
+                self.__dict__["_nanpass_fx_error"] = str(e)
+            else:
+                entry = self._fx_entry(key)
+                if entry is not None:
+                    return entry[1](bound)
+        return self._dynamo_call(args, kwargs)
+
+    # -- module behaviour -------------------------------------------------------------------
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._nanpass_model.train(mode)
+        return self
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_nanpass_model"], name)
+
+    def __deepcopy__(self, memo):
+        return Hardened(copy.deepcopy(self._nanpass_model, memo), self._nanpass_config)
+
+    def __repr__(self) -> str:
+        return f"nanpass.{super().__repr__()}\n\n# rewritten forward\n{self.code}"
+
+    # -- what was done ----------------------------------------------------------------------
+    @property
+    def original(self) -> torch.nn.Module:
+        return self._nanpass_model
+
+    @property
+    def config(self) -> Config:
+        return self._nanpass_config
+
+    @property
+    def capture(self) -> str:
+        """"fx", "dynamo", or "pending" (dynamo captures on the first call)."""
+        if self._nanpass_fx_error is None:
+            return "fx"
+        return "dynamo" if self._nanpass_graphs else "pending"
+
+    @property
+    def code(self) -> str:
+        """The rewritten graph(s) as Python."""
+        if self._nanpass_fx_error is None:
+            codes = [gm.code.strip() for gm, _, _ in self._nanpass_fx.values()]
+        else:
+            codes = [code.strip() for code, _ in self._nanpass_graphs]
+        return "\n\n".join(codes) if codes else "# (captured on the first call)"
+
+    @property
+    def changes(self) -> list[Change]:
+        """Every op looked at, once per distinct graph node."""
+        if self._nanpass_fx_error is None:
+            groups = [c for _, _, c in self._nanpass_fx.values()]
+        else:
+            groups = [c for _, c in self._nanpass_graphs]
+        seen, out = set(), []
+        for group in groups:
+            for c in group:
+                k = (c.op, c.spelling, c.module, c.source, c.node, c.action)
+                if k not in seen:
+                    seen.add(k)
+                    out.append(c)
+        return out
+
+    def summary(self) -> str:
+        return summary(self.changes)
+
+
+def harden(
+    model: torch.nn.Module,
+    *,
+    mode: str = "guard",
+    ops: Iterable[str] | None = None,
+    exclude_ops: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    constants: Mapping[str, Mapping[str, float]] | None = None,
+    stable: bool = True,
+) -> Hardened:
+    """Return ``model`` with every numerically unsafe op guarded, forward and backward.
+
+    >>> import torch, nanpass
+    >>> m = nanpass.harden(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LogSoftmax(-1)))
+    >>> bool(m(torch.full((1, 4), float("-inf"))).isfinite().all())
+    True
+
+    ``ops`` / ``exclude_ops`` pick guarded ops by rule name (``nanpass.RULES``); ``exclude``
+    leaves modules alone by path (``"encoder.layers.0"``); ``constants`` tightens a guard's
+    bounds (``{"log": {"lo": 1e-6}}``); ``mode="off"`` runs the original forward.
+    """
+    if isinstance(model, Hardened):
+        model = model.original
+    if not isinstance(model, torch.nn.Module):
+        raise NanpassTypeError(
+            f"nanpass: harden() takes a torch.nn.Module, got {type(model).__name__} {model!r:.60}"
+        )
+    config = make_config(
+        mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
+        stable=stable, module_paths=[name for name, _ in model.named_modules()],
+    )
+    return Hardened(model, config)

@@ -1,0 +1,385 @@
+"""The rule table: the one place where an op's spellings are named.
+
+A spelling is how an op can appear in a captured graph: a function (``torch.div``), a Python
+operator (``operator.truediv``), a tensor method (``"div"``), an in-place method or operator
+(``"div_"``, ``operator.itruediv``), or a module class (``nn.Softmax``). Method spellings also
+stand as functions (``torch.Tensor.div``), and in-place methods are derived from the method
+names, as OpInfo derives variants from an op's name. Rewrite, report, docs and tests read this
+table; adding an op is one ``Rule``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _guards as g
+from ._constants import Bounds
+
+Tensor = torch.Tensor
+
+# constants a rule's guard reads; "lo*" overrides may only be raised, the others only lowered
+TINY_MAX = {"lo": lambda b: b.tiny, "hi": lambda b: b.max}
+
+
+@dataclass(frozen=True)
+class Spelling:
+    kind: str  # function | operator | method | module
+    name: str  # as a user would write it: "torch.div", "operator.truediv", "Tensor.div_", "nn.Softmax"
+    target: object  # the fx node target: a callable, a method name, or a module class
+    call: Callable | None  # the op as written (None for modules: the instance is the callable)
+    outplace: Callable | None = None  # for in-place spellings: the out-of-place op to guard
+
+    @property
+    def inplace(self) -> bool:
+        return self.outplace is not None
+
+
+@dataclass(frozen=True, eq=False)
+class Rule:
+    name: str
+    guard: Callable | None  # _guards impl; None: recognised but never rewritten
+    reason: str = ""  # why the op is unsafe (or, with guard None and safe=True, why it is not)
+    action: str = ""  # what the guard does, one line
+    functions: tuple[str, ...] = ()
+    operators: tuple[str, ...] = ()  # in-place operator spellings go in inplace_operators
+    inplace_operators: tuple[tuple[str, str], ...] = ()  # (in-place, out-of-place)
+    methods: tuple[str, ...] = ()
+    inplace: bool = False  # derive "name_" in-place methods from methods
+    modules: tuple[str, ...] = ()
+    constants: dict[str, Callable[[Bounds], float]] = field(default_factory=dict)
+    safe_if: Callable | None = None  # (args, kwargs) -> reason the call is statically safe
+    safe: bool = False  # guard None and reported as looked at and left alone
+    stable: bool = False  # produced by a stable-form rewrite
+
+    @property
+    def guarded(self) -> bool:
+        return self.guard is not None
+
+    def spellings(self) -> Iterator[Spelling]:
+        for name in self.functions:
+            fn = _resolve(name)
+            if fn is not None:
+                yield Spelling("function", name, fn, fn)
+        for name in self.operators:
+            fn = _resolve(name)
+            yield Spelling("operator", name, fn, fn)
+        for ip, op in self.inplace_operators:
+            yield Spelling("operator", ip, _resolve(ip), _resolve(ip), _resolve(op))
+        for m in self.methods:
+            if not hasattr(Tensor, m):
+                continue
+            fn = getattr(Tensor, m)
+            yield Spelling("method", f"Tensor.{m}", m, fn)
+            yield Spelling("function", f"torch.Tensor.{m}", fn, fn)
+            if self.inplace and hasattr(Tensor, m + "_"):
+                ip = getattr(Tensor, m + "_")
+                yield Spelling("method", f"Tensor.{m}_", m + "_", ip, fn)
+                yield Spelling("function", f"torch.Tensor.{m}_", ip, ip, fn)
+        for name in self.modules:
+            cls = _resolve(name)
+            if cls is not None:
+                yield Spelling("module", name, cls, None)
+
+
+def _resolve(name: str):
+    """"torch.special.expm1" -> the object, or None where this torch lacks it."""
+    if name.startswith("nn."):
+        name = "torch." + name
+    elif name.startswith("F."):
+        name = "torch.nn.functional." + name[2:]
+    mod, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _divisor_safe(args, kwargs):
+    d = args[1] if len(args) > 1 else kwargs.get("other")
+    if _number(d) and abs(d) >= 1 and kwargs.get("rounding_mode") is None:
+        return f"constant divisor {d!r}: |divisor| >= 1 cannot make the quotient non-finite"
+    return None
+
+
+def _exponent_safe(args, kwargs):
+    p = args[1] if len(args) > 1 else kwargs.get("exponent")
+    if _number(p) and p in (0, 1):
+        return f"exponent {p!r} is finite with a finite gradient everywhere"
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    # -- guarded ----------------------------------------------------------------------------
+    Rule(
+        "div", g.div,
+        reason="divisor can be 0, or the quotient can overflow",
+        action="0 where the divisor is 0, +-max where the quotient overflows; non-finite gradients become 0",
+        functions=("torch.div", "torch.divide", "torch.true_divide"),
+        operators=("operator.truediv",),
+        inplace_operators=(("operator.itruediv", "operator.truediv"),),
+        methods=("div", "divide", "true_divide"), inplace=True,
+        constants={"max": lambda b: b.max}, safe_if=_divisor_safe,
+    ),
+    Rule(
+        "reciprocal", g.reciprocal,
+        reason="1/0 is inf",
+        action="0 where the operand is 0, +-max on overflow; non-finite gradients become 0",
+        functions=("torch.reciprocal",), methods=("reciprocal",), inplace=True,
+        constants={"max": lambda b: b.max},
+    ),
+    Rule(
+        "log", g.clamped("lo", "hi"),
+        reason="log of 0 is -inf, of a negative number NaN",
+        action="operand clamped to [tiny, max]",
+        functions=("torch.log",), methods=("log",), inplace=True, constants=TINY_MAX,
+    ),
+    Rule(
+        "log2", g.clamped("lo", "hi"),
+        reason="log2 of 0 is -inf, of a negative number NaN",
+        action="operand clamped to [tiny, max]",
+        functions=("torch.log2",), methods=("log2",), inplace=True, constants=TINY_MAX,
+    ),
+    Rule(
+        "log10", g.clamped("lo", "hi"),
+        reason="log10 of 0 is -inf, of a negative number NaN",
+        action="operand clamped to [tiny, max]",
+        functions=("torch.log10",), methods=("log10",), inplace=True, constants=TINY_MAX,
+    ),
+    Rule(
+        "log1p", g.clamped("lo", "hi"),
+        reason="log1p of -1 is -inf, below -1 NaN",
+        action="operand clamped to [next float above -1, max]",
+        functions=("torch.log1p", "torch.special.log1p"), methods=("log1p",), inplace=True,
+        constants={"lo": lambda b: b.above_minus_one, "hi": lambda b: b.max},
+    ),
+    Rule(
+        "sqrt", g.clamped("lo", "hi"),
+        reason="sqrt of a negative number is NaN; its gradient at 0 is inf",
+        action="operand clamped to [0, max]; the infinite gradient at 0 becomes 0",
+        functions=("torch.sqrt",), methods=("sqrt",), inplace=True,
+        constants={"lo": lambda b: 0.0, "hi": lambda b: b.max},
+    ),
+    Rule(
+        "rsqrt", g.clamped("lo", "hi"),
+        reason="rsqrt of 0 is inf, of a negative number NaN",
+        action="operand clamped to [tiny, max]",
+        functions=("torch.rsqrt",), methods=("rsqrt",), inplace=True, constants=TINY_MAX,
+    ),
+    Rule(
+        "pow", g.pow_,
+        reason="fractional power of a negative base is NaN, a negative power of 0 inf, "
+        "x**g with g < 1 has an infinite gradient at 0, and large powers overflow",
+        action="base clamped into the exponent's finite domain (pushed away from 0 for negative "
+        "integer powers); a tensor exponent saturates the result; non-finite gradients become 0",
+        functions=("torch.pow", "torch.float_power"),
+        operators=("operator.pow",),
+        inplace_operators=(("operator.ipow", "operator.pow"),),
+        methods=("pow", "float_power"), inplace=True, safe_if=_exponent_safe,
+    ),
+    Rule(
+        "exp", g.clamped(None, "hi"),
+        reason="exp overflows to inf",
+        action="operand clamped to at most log(max)",
+        functions=("torch.exp",), methods=("exp",), inplace=True,
+        constants={"hi": lambda b: b.exp_hi},
+    ),
+    Rule(
+        "exp2", g.clamped(None, "hi"),
+        reason="exp2 overflows to inf",
+        action="operand clamped to at most log2(max)",
+        functions=("torch.exp2", "torch.special.exp2"), methods=("exp2",), inplace=True,
+        constants={"hi": lambda b: b.exp2_hi},
+    ),
+    Rule(
+        "expm1", g.clamped(None, "hi"),
+        reason="expm1 overflows to inf",
+        action="operand clamped to at most log(max)",
+        functions=("torch.expm1", "torch.special.expm1"), methods=("expm1",), inplace=True,
+        constants={"hi": lambda b: b.exp_hi},
+    ),
+    Rule(
+        "softmax", g.softmax,
+        reason="a row of all -inf gives NaN, so does +inf",
+        action="+-inf operands to +-max: a fully masked row becomes uniform",
+        functions=("torch.softmax", "F.softmax", "torch.special.softmax"),
+        methods=("softmax",), modules=("nn.Softmax", "nn.Softmax2d"),
+    ),
+    Rule(
+        "softmin", g.softmax,
+        reason="a row of all +inf gives NaN",
+        action="+-inf operands to +-max: a fully masked row becomes uniform",
+        functions=("F.softmin",), modules=("nn.Softmin",),
+    ),
+    Rule(
+        "log_softmax", g.finite_in_out,
+        reason="a row of all -inf gives NaN; a -inf entry gives -inf",
+        action="+-inf operands to +-max and the result saturated at -max",
+        functions=("torch.log_softmax", "F.log_softmax", "torch.special.log_softmax"),
+        methods=("log_softmax",), modules=("nn.LogSoftmax",),
+    ),
+    Rule(
+        "logsumexp", g.finite_in_out,
+        reason="all -inf gives -inf with a NaN gradient; large inputs overflow",
+        action="+-inf operands to +-max and the result saturated",
+        functions=("torch.logsumexp", "torch.special.logsumexp"), methods=("logsumexp",),
+    ),
+    Rule(
+        "acos", g.clamped("lo", "hi"),
+        reason="acos outside [-1, 1] is NaN; its gradient at +-1 is infinite",
+        action="operand clamped to [-1, 1]; the infinite gradient at +-1 becomes 0",
+        functions=("torch.acos", "torch.arccos"), methods=("acos", "arccos"), inplace=True,
+        constants={"lo": lambda b: -1.0, "hi": lambda b: 1.0},
+    ),
+    Rule(
+        "asin", g.clamped("lo", "hi"),
+        reason="asin outside [-1, 1] is NaN; its gradient at +-1 is infinite",
+        action="operand clamped to [-1, 1]; the infinite gradient at +-1 becomes 0",
+        functions=("torch.asin", "torch.arcsin"), methods=("asin", "arcsin"), inplace=True,
+        constants={"lo": lambda b: -1.0, "hi": lambda b: 1.0},
+    ),
+    Rule(
+        "atanh", g.clamped("lo", "hi"),
+        reason="atanh of +-1 is +-inf, outside [-1, 1] NaN",
+        action="operand clamped to the floats strictly inside (-1, 1)",
+        functions=("torch.atanh", "torch.arctanh"), methods=("atanh", "arctanh"), inplace=True,
+        constants={"lo": lambda b: b.above_minus_one, "hi": lambda b: b.below_one},
+    ),
+    Rule(
+        "logit", g.logit,
+        reason="logit of 0 or 1 is infinite (and 1 - 1e-8 == 1 in float32)",
+        action="operand clamped to [tiny, next float below 1] (or the user's eps, if tighter)",
+        functions=("torch.logit", "torch.special.logit"), methods=("logit",), inplace=True,
+        constants={"lo": lambda b: b.tiny, "hi": lambda b: b.below_one},
+    ),
+    Rule(
+        "std", g.finite_result,
+        reason="NaN with too few elements; overflow; infinite gradient at zero spread",
+        action="a NaN result becomes 0 and overflow saturates; non-finite gradients become 0",
+        functions=("torch.std", "torch.std_mean"), methods=("std",),
+    ),
+    Rule(
+        "var", g.finite_result,
+        reason="NaN with too few elements; overflow",
+        action="a NaN result becomes 0 and overflow saturates; non-finite gradients become 0",
+        functions=("torch.var", "torch.var_mean"), methods=("var",),
+    ),
+    Rule(
+        "xlogy", g.xlogy, stable=True,
+        reason="xlogy(x, 0) is -inf for x != 0",
+        action="second operand clamped to [tiny, max]; the result saturated",
+        functions=("torch.xlogy", "torch.special.xlogy"), methods=("xlogy",), inplace=True,
+        constants=TINY_MAX,
+    ),
+    Rule(
+        "cross_entropy", g.loss,
+        reason="0/0 in the mean when every target is ignored; +-inf logits give NaN",
+        action="+-inf logits to +-max; a NaN loss becomes 0 with zero gradient",
+        functions=("F.cross_entropy",), modules=("nn.CrossEntropyLoss",),
+    ),
+    Rule(
+        "nll_loss", g.loss,
+        reason="0/0 in the mean when every target is ignored",
+        action="+-inf inputs to +-max; a NaN loss becomes 0 with zero gradient",
+        functions=("F.nll_loss",), modules=("nn.NLLLoss",),
+    ),
+    Rule(
+        "kl_div", g.loss,
+        reason="-inf log-probabilities against a zero target give 0 * inf = NaN",
+        action="+-inf operands to +-max; the result saturated; non-finite gradients become 0",
+        functions=("F.kl_div",), modules=("nn.KLDivLoss",),
+    ),
+    Rule(
+        "cosine_similarity", g.cosine_similarity,
+        reason="rounding can put the cosine past +-1, where acos/asin give NaN",
+        action="result clamped to [-1, 1]; +-inf operands to +-max",
+        functions=("F.cosine_similarity", "torch.cosine_similarity"),
+        modules=("nn.CosineSimilarity",),
+    ),
+    Rule(
+        "multi_head_attention", g.attention,
+        reason="a query whose every key is masked gives NaN (need_weights=True path)",
+        action="-inf / True mask entries become finfo.min/4: fully masked rows stay finite, "
+        "all other rows are unchanged",
+        functions=("F.multi_head_attention_forward",), modules=("nn.MultiheadAttention",),
+    ),
+    # -- recognised and left alone, with the reason shown in the report -------------------------
+    Rule(
+        "scaled_dot_product_attention", None, safe=True,
+        reason="torch returns 0 for a query with no unmasked key, with finite gradients",
+        functions=("F.scaled_dot_product_attention",),
+    ),
+    # -- building blocks of the stable-form patterns (never rewritten themselves) ----------------
+    Rule("sigmoid", None, functions=("torch.sigmoid", "F.sigmoid", "torch.special.expit"),
+         methods=("sigmoid",), modules=("nn.Sigmoid",)),
+    Rule("logsigmoid", None, stable=True, functions=("F.logsigmoid",)),
+    Rule("sum", None, functions=("torch.sum",), methods=("sum",)),
+    Rule("add", None, functions=("torch.add",), operators=("operator.add",), methods=("add",)),
+    Rule("sub", None, functions=("torch.sub", "torch.subtract"), operators=("operator.sub",),
+         methods=("sub", "subtract")),
+    Rule("rsub", None, functions=("torch.rsub",)),
+    Rule("mul", None, functions=("torch.mul", "torch.multiply"), operators=("operator.mul",),
+         methods=("mul", "multiply")),
+    Rule("neg", None, functions=("torch.neg", "torch.negative"), operators=("operator.neg",),
+         methods=("neg", "negative")),
+)
+
+BY_NAME: dict[str, Rule] = {r.name: r for r in RULES}
+GUARDED: tuple[str, ...] = tuple(r.name for r in RULES if r.guarded)
+
+
+def _index() -> tuple[dict, dict]:
+    by_target: dict[tuple[str, object], tuple[Rule, Spelling]] = {}
+    by_module: dict[type, tuple[Rule, Spelling]] = {}
+    for rule in RULES:
+        for sp in rule.spellings():
+            if sp.kind == "module":
+                by_module[sp.target] = (rule, sp)
+                continue
+            op = "call_method" if sp.kind == "method" else "call_function"
+            by_target.setdefault((op, sp.target), (rule, sp))
+    return by_target, by_module
+
+
+_BY_TARGET, _BY_MODULE = _index()
+
+
+def match(node, root: torch.nn.Module | None = None) -> tuple[Rule, Spelling] | None:
+    """The rule and spelling an fx node is written with, or None."""
+    if node.op in ("call_function", "call_method"):
+        try:
+            return _BY_TARGET.get((node.op, node.target))
+        except TypeError:  # an unhashable target
+            return None
+    if node.op == "call_module" and root is not None:
+        return module_rule(root.get_submodule(node.target))
+    return None
+
+
+def module_rule(module: torch.nn.Module) -> tuple[Rule, Spelling] | None:
+    for cls in type(module).__mro__:
+        hit = _BY_MODULE.get(cls)
+        if hit is not None:
+            return hit
+    return None
+
+
+def canonical(name: str) -> Callable:
+    """The first function spelling of a rule: what stable-form rewrites call."""
+    for sp in BY_NAME[name].spellings():
+        if sp.kind == "function":
+            return sp.call
+    raise KeyError(name)  # pragma: no cover
+
+
+def operator_of(name: str) -> Callable:
+    return _resolve(BY_NAME[name].operators[0])
+
+

@@ -1,0 +1,40 @@
+"""Where a graph node came from: the user's module path and source line."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<code>[^\n]*)')
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NANPASS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def user_frame(stack_trace: str | None) -> tuple[str, str] | None:
+    """("file.py:12", "code line") of the last frame outside torch and nanpass."""
+    if not stack_trace:
+        return None
+    found = None
+    for m in _FRAME.finditer(stack_trace):
+        path = m.group("file")
+        if path.startswith((_TORCH_DIR, _NANPASS_DIR)):
+            continue
+        found = (f"{path}:{m.group('line')}", m.group("code").strip())
+    return found
+
+
+def module_path(node) -> tuple[str, str]:
+    """(dotted path as in named_modules(), class name) of the module a node ran in."""
+    if node.op == "call_module":
+        return str(node.target), ""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    path = _DYNAMO_ROOT.sub("", str(path))
+    path = _INDEX.sub(lambda m: "." + m.group(1), path).strip(".")
+    return path, getattr(cls, "__name__", str(cls))
