@@ -116,8 +116,8 @@ def _quotient(q: Tensor, zero, consts) -> Tensor:
     """0 where the divisor is 0 (as tf.math.divide_no_nan), +-max where the quotient overflows."""
     if isinstance(zero, Tensor):
         q = torch.where(zero, 0.0, q)
-    elif zero:
-        q = torch.zeros_like(q)
+    elif zero:  # a constant 0 divisor: 0, still connected to the graph for backward
+        q = torch.where(torch.ones((), dtype=torch.bool, device=q.device), 0.0, q)
     c = consts(q.dtype)
     return torch.nan_to_num(q, nan=0.0, posinf=c["max"], neginf=-c["max"])
 

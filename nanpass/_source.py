@@ -18,13 +18,14 @@ def user_frame(stack_trace: str | None) -> tuple[str, str] | None:
     """("file.py:12", "code line") of the last frame outside torch and nanpass."""
     if not stack_trace:
         return None
-    found = None
+    found = last = None
     for m in _FRAME.finditer(stack_trace):
         path = m.group("file")
-        if path.startswith((_TORCH_DIR, _NANPASS_DIR)):
-            continue
-        found = (f"{path}:{m.group('line')}", m.group("code").strip())
-    return found
+        last = (f"{path}:{m.group('line')}", m.group("code").strip())
+        if not path.startswith((_TORCH_DIR, _NANPASS_DIR)):
+            found = last
+    # a model built only from torch modules has no user frame: show torch's own line
+    return found or last
 
 
 def module_path(node) -> tuple[str, str]:
