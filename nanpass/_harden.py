@@ -39,18 +39,19 @@ class Hardened(torch.nn.Module):
                 key = _capture.default_key(self._nanpass_sig, model.training)
             except _capture.Unkeyable as e:
                 d["_nanpass_fx_error"] = str(e)
-            else:
-                self._fx_entry(key)
+            else:  # trace the likely call now, so .code and errors show early
+                self._fx_entry(key, guess=True)
 
     # -- capture ---------------------------------------------------------------------------
-    def _fx_entry(self, key):
+    def _fx_entry(self, key, guess: bool = False):
         entry = self._nanpass_fx.get(key)
         if entry is not None or self._nanpass_fx_error is not None:
             return entry
         try:
             gm = _capture.fx_trace(self._nanpass_model, key)
-        except Exception as e:  # fx cannot trace this model: dynamo will
-            self.__dict__["_nanpass_fx_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        except Exception as e:
+            if not guess:  # fx cannot trace a real call: dynamo captures from now on
+                self.__dict__["_nanpass_fx_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
             return None
         changes = rewrite(gm, self._nanpass_config)
         entry = (gm, _capture.runner(self._nanpass_model, gm), changes)
@@ -124,8 +125,8 @@ class Hardened(torch.nn.Module):
 
     @property
     def capture(self) -> str:
-        """"fx", "dynamo", or "pending" (dynamo captures on the first call)."""
-        if self._nanpass_fx_error is None:
+        """"fx", "dynamo", or "pending" (nothing captured until the first call)."""
+        if self._nanpass_fx_error is None and self._nanpass_fx:
             return "fx"
         return "dynamo" if self._nanpass_graphs else "pending"
 

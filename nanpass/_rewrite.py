@@ -67,7 +67,9 @@ def make_guard(rule: Rule, sp: Spelling, consts=None):
         def guard(*args, **kwargs):
             if not _has_float(args, kwargs):
                 return written(*args, **kwargs)
-            return args[0].copy_(impl(plain, args, kwargs, consts))
+            # guard a copy: autograd forbids writing into the base of the guard's views
+            operand = (args[0].clone(), *args[1:])
+            return args[0].copy_(impl(plain, operand, kwargs, consts))
 
     else:
         fn = sp.call

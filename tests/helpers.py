@@ -1,0 +1,41 @@
+"""Shared test helpers: run a module forward and backward, collect what must be finite."""
+
+from __future__ import annotations
+
+import torch
+
+
+def flat_tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in flat_tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in flat_tensors(o)]
+    if hasattr(out, "to_tuple"):
+        return flat_tensors(out.to_tuple())
+    return []
+
+
+def forward_backward(module, args, kwargs=None):
+    """(outputs, grads of every float input that requires grad) after backward of the sum."""
+    kwargs = kwargs or {}
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    for a in leaves:
+        a.grad = None
+    out = module(*args, **kwargs)
+    outs = [o for o in flat_tensors(out) if o.is_floating_point()]
+    loss = sum(o.float().sum() for o in outs if o.requires_grad)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    return outs, [a.grad for a in leaves if a.grad is not None]
+
+
+def all_finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern, so -0.0 and 0.0 (and every rounding) are told apart."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().contiguous().view(ints[t.element_size()])
