@@ -139,7 +139,7 @@ def reciprocal(fn, args, kwargs, consts):
 
 
 def _away_from_zero(x: Tensor, m: float) -> Tensor:
-    return torch.where(x.abs() < m, torch.where(x < 0, -m, m).to(x.dtype), x)
+    return torch.where(x.abs() < m, torch.full_like(x, m).copysign(x.detach()), x)
 
 
 def pow_(fn, args, kwargs, consts):
@@ -193,10 +193,11 @@ def loss(fn, args, kwargs, consts):
 
 
 def cosine_similarity(fn, args, kwargs, consts):
-    """Rounding can put a cosine past +-1 (acos then gives NaN); clamp it back."""
+    """Rounding can put a cosine past +-1 (acos then gives NaN): clamp it back. A zero vector
+    in float16 gives 0/0 (the default eps 1e-8 is 0 there): 0, as float32 gives."""
     (a, b), rest, kw = operands(args, kwargs, ("x1", "x2"))
     out = fn(finite_grad(finite(a)), finite_grad(finite(b)), *rest, **kw)
-    return torch.clamp(out, -1.0, 1.0)
+    return torch.clamp(torch.nan_to_num(out, nan=0.0), -1.0, 1.0)
 
 
 @functools.lru_cache(maxsize=64)
