@@ -10,6 +10,7 @@ recompiles on its own.
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 import torch.fx as fx
@@ -104,14 +105,26 @@ def fx_trace(model: torch.nn.Module, key) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
+def _param(target: str, params: list[str]) -> str:
+    """fx renames a concrete argument's placeholder ("mask" -> "mask_1")."""
+    if target in params:
+        return target
+    base = re.sub(r"_\d+$", "", target)
+    return base if base in params else target
+
+
 def runner(model: torch.nn.Module, gm: fx.GraphModule):
     """Call the rewritten graph with the user's model as ``self``."""
     fwd = type(gm).forward
     own = {n.target.split(".")[0] for n in gm.graph.nodes if n.op == "get_attr"}
     needs_gm = any(not hasattr(model, name) for name in own)
+    # fx drops or renames some parameters (keyword-only, concrete ones): pass by placeholder
+    params = list(inspect.signature(type(model).forward).parameters)[1:]
+    names = [_param(str(n.target), params) for n in gm.graph.nodes if n.op == "placeholder"]
 
     def run(bound: inspect.BoundArguments):
         this = _Live(model, gm) if needs_gm else model
-        return fwd(this, *bound.args, **bound.kwargs)
+        values = bound.arguments
+        return fwd(this, *[values[name] for name in names])
 
     return run

@@ -157,8 +157,9 @@ def pow_(fn, args, kwargs, consts):
 # -- softmax family -----------------------------------------------------------------------
 
 
-def softmax(fn, args, kwargs, consts):
-    """A row of -inf becomes uniform (the limit of equal logits); +inf cannot make NaN."""
+def finite_operand(fn, args, kwargs, consts):
+    """softmax: a row of -inf becomes uniform (the limit of equal logits), +inf cannot make
+    NaN; logsigmoid: -inf gives -max instead of -inf."""
     x, rest, kw = _unary(args, kwargs)
     return fn(finite(x), *rest, **kw)
 

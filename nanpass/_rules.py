@@ -206,14 +206,14 @@ RULES: tuple[Rule, ...] = (
         constants={"hi": lambda b: b.exp_hi},
     ),
     Rule(
-        "softmax", g.softmax,
+        "softmax", g.finite_operand,
         reason="a row of all -inf gives NaN, so does +inf",
         action="+-inf operands to +-max: a fully masked row becomes uniform",
         functions=("torch.softmax", "F.softmax", "torch.special.softmax"),
         methods=("softmax",), modules=("nn.Softmax", "nn.Softmax2d"),
     ),
     Rule(
-        "softmin", g.softmax,
+        "softmin", g.finite_operand,
         reason="a row of all +inf gives NaN",
         action="+-inf operands to +-max: a fully masked row becomes uniform",
         functions=("F.softmin",), modules=("nn.Softmin",),
@@ -224,6 +224,12 @@ RULES: tuple[Rule, ...] = (
         action="+-inf operands to +-max and the result saturated at -max",
         functions=("torch.log_softmax", "F.log_softmax", "torch.special.log_softmax"),
         methods=("log_softmax",), modules=("nn.LogSoftmax",),
+    ),
+    Rule(
+        "logsigmoid", g.finite_operand, stable=True,
+        reason="logsigmoid(-inf) is -inf",
+        action="+-inf operands to +-max",
+        functions=("F.logsigmoid",), modules=("nn.LogSigmoid",),
     ),
     Rule(
         "logsumexp", g.finite_in_out,
@@ -319,7 +325,6 @@ RULES: tuple[Rule, ...] = (
     # -- building blocks of the stable-form patterns (never rewritten themselves) ----------------
     Rule("sigmoid", None, functions=("torch.sigmoid", "F.sigmoid", "torch.special.expit"),
          methods=("sigmoid",), modules=("nn.Sigmoid",)),
-    Rule("logsigmoid", None, stable=True, functions=("F.logsigmoid",)),
     Rule("sum", None, functions=("torch.sum",), methods=("sum",)),
     Rule("add", None, functions=("torch.add",), operators=("operator.add",), methods=("add",)),
     Rule("sub", None, functions=("torch.sub", "torch.subtract"), operators=("operator.sub",),

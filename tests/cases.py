@@ -53,6 +53,7 @@ PROBES: dict[str, Probe] = {
     "softmin": Probe(lambda: ((torch.tensor([[inf, inf], [1.0, 2.0]], requires_grad=True),), {"dim": -1}),
                      ctor={"nn.Softmin": (-1,)}),
     "log_softmax": Probe(lambda: (_rows(), {"dim": -1}), ctor={"nn.LogSoftmax": (-1,)}),
+    "logsigmoid": Probe(lambda: ((_t(-inf, 1.0),), {}), ctor={"nn.LogSigmoid": ()}),
     "logsumexp": Probe(lambda: (_rows(), {"dim": -1})),
     "acos": Probe(lambda: ((_t(1.0, 2.0, 0.5),), {})),
     "asin": Probe(lambda: ((_t(1.0, -2.0, 0.5),), {})),

@@ -81,7 +81,7 @@ def assert_same_where(a, b, mask, what):
 # -- elementwise ops with a closed safe domain -------------------------------------------
 
 ELEMENTWISE = ["log", "log2", "log10", "log1p", "sqrt", "rsqrt", "exp", "exp2", "expm1",
-               "acos", "asin", "atanh", "logit"]
+               "acos", "asin", "atanh", "logit", "logsigmoid"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,0 +1,336 @@
+"""nanpass.harden on real code: textbook recipes, module behaviour, configuration, stable forms."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanpass
+from tests.helpers import all_finite, bits, forward_backward
+
+inf = math.inf
+
+
+class Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, a, b=None):
+        return self.fn(a) if b is None else self.fn(a, b)
+
+
+def masked_div(x, d):
+    return torch.where(d != 0, x / d, torch.zeros_like(x)).sum()
+
+
+def clamped_bce(p, t):
+    p = torch.clamp(p, 1e-8, 1 - 1e-8)
+    return -(t * torch.log(p) + (1 - t) * torch.log(1 - p)).mean()
+
+
+def relu_normalise(x):
+    r = torch.relu(x)
+    return r / r.sum(1, keepdim=True)
+
+
+def masked_softmax(x, mask):
+    return torch.softmax(x.masked_fill(mask, -inf), dim=-1)
+
+
+RECIPES = {
+    "where-div": (masked_div, lambda: (torch.tensor([1.0, 2.0], requires_grad=True),
+                                       torch.tensor([0.0, 2.0], requires_grad=True))),
+    "clamped-bce": (clamped_bce, lambda: (torch.tensor([1.0, 0.5, 0.0], requires_grad=True),
+                                          torch.tensor([0.0, 1.0, 1.0]))),
+    "relu-normalise": (relu_normalise, lambda: (torch.tensor([[-1.0, -2.0], [1.0, 3.0]], requires_grad=True),)),
+    "masked-softmax": (masked_softmax, lambda: (torch.randn(2, 3, requires_grad=True),
+                                                torch.tensor([[True] * 3, [False, True, False]]))),
+}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_textbook_recipes(name):
+    fn, make = RECIPES[name]
+    outs, grads = forward_backward(Fn(fn), make())
+    assert not all_finite(outs + grads), "the recipe should fail unguarded"
+    safe = nanpass.harden(Fn(fn))
+    outs, grads = forward_backward(safe, make())
+    assert all_finite(outs) and all_finite(grads)
+    assert safe.capture == "fx"
+
+
+def test_textbook_bce_in_float16_and_float32():
+    """clamp(p, 1e-8, 1 - 1e-8): 1e-8 is 0 in float16; 1 - 1e-8 is 1.0 in float32."""
+    for dtype in (torch.float16, torch.float32):
+        p = torch.tensor([1.0, 0.0, 0.3], dtype=dtype, requires_grad=True)
+        t = torch.tensor([0.0, 1.0, 1.0], dtype=dtype)
+        assert not torch.isfinite(clamped_bce(p, t))
+        outs, grads = forward_backward(nanpass.harden(Fn(clamped_bce)), (p, t))
+        assert all_finite(outs + grads)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x, mask=None, *, temperature: float = 1.0):
+        h = self.drop(self.fc(x)) / temperature
+        if mask is not None:
+            h = h.masked_fill(mask, -inf)
+        return {"probs": torch.softmax(h, -1), "logp": torch.log(torch.softmax(h, -1)) * self.scale}
+
+
+def test_module_behaviour():
+    torch.manual_seed(0)
+    net = Net()
+    before = copy.deepcopy(net.state_dict())
+    safe = nanpass.harden(net)
+    # same tensors, same keys; the original is untouched
+    assert all(a is b for a, b in zip(safe.parameters(), net.parameters(), strict=True))
+    assert list(safe.state_dict()) == list(net.state_dict())
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert type(net).forward is Net.forward and not isinstance(net, nanpass.Hardened)
+
+    x = torch.randn(3, 4)
+    net.eval()
+    safe.eval()
+    assert not safe.training and not net.drop.training
+    out = safe(x)
+    ref = net(x)
+    assert set(out) == {"probs", "logp"}
+    assert torch.equal(bits(out["probs"]), bits(ref["probs"]))
+    # keyword arguments, and a new non-tensor value, re-key the graph
+    out = safe(x, mask=torch.ones(3, 4, dtype=torch.bool), temperature=0.5)
+    assert all_finite(list(out.values()))
+    # train mode follows: dropout is live again
+    safe.train()
+    assert net.training and net.drop.training
+    a, b = safe(x)["probs"], safe(x)["probs"]
+    assert not torch.equal(a, b)
+
+    # an optimizer built on the original trains the hardened model
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    w0 = net.fc.weight.detach().clone()
+    safe(x)["logp"].sum().backward()
+    opt.step()
+    assert not torch.equal(net.fc.weight, w0)
+
+    # buffers replaced by .to() are read live
+    safe.to(torch.float64)
+    assert safe(x.double())["probs"].dtype == torch.float64
+
+    clone = copy.deepcopy(safe)
+    assert isinstance(clone, nanpass.Hardened)
+    assert clone.fc.weight is not net.fc.weight
+    assert torch.equal(clone.fc.weight, net.fc.weight)
+    text = repr(safe)
+    assert "guard_softmax" in text and "guard_log_softmax" in text or "log_softmax" in text
+    assert "guard_" in safe.code
+
+
+def test_stable_forms():
+    def f(x, t):
+        p = torch.softmax(x, -1)
+        a = torch.log(p)
+        b = torch.log(torch.sigmoid(x))
+        c = torch.log(1 - torch.sigmoid(x))
+        d = torch.log(1 + x.abs())
+        e = torch.exp(x) - 1
+        g = torch.log(torch.sum(torch.exp(x), dim=-1))
+        h = t * torch.log(x.abs())
+        return a, b, c, d, e, g, h
+
+    x = torch.tensor([[200.0, -200.0, 0.0], [-inf, 1.0, 2.0]])
+    t = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    safe = nanpass.harden(Fn(f))
+    outs = safe(x, t)
+    patterns = {c.detail for c in safe.changes if c.action == "stable"}
+    assert patterns == {
+        "log(softmax(x)) -> log_softmax(x)", "log(sigmoid(x)) -> logsigmoid(x)",
+        "log(1 - sigmoid(x)) -> logsigmoid(-x)", "log(1 + x) -> log1p(x)",
+        "exp(x) - 1 -> expm1(x)", "log(sum(exp(x))) -> logsumexp(x)", "t * log(p) -> xlogy(t, p)",
+    }
+    assert all_finite(list(outs))
+    a, b, c, d, e, g, h = outs
+    # exact values where the naive form loses them
+    assert torch.allclose(a[0], F.log_softmax(x[0], -1).clamp_min(-torch.finfo().max))
+    assert b[0, 1] == F.logsigmoid(torch.tensor(-200.0))
+    assert c[0, 0] == F.logsigmoid(torch.tensor(-200.0))
+    xs = torch.tensor([1e-10])
+    assert Fn(lambda x: torch.log(1 + x))(xs) == 0  # the naive form loses it
+    assert nanpass.harden(Fn(lambda x: torch.log(1 + x)))(xs) == torch.log1p(xs)
+    assert g[0] == torch.logsumexp(x[0], -1)
+
+
+def test_data_dependent_control_flow_uses_dynamo():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if h.sum() > 0:
+                return torch.log(h - h.max())
+            return torch.sqrt(h - h.max())
+
+    torch.manual_seed(0)
+    m = Branchy()
+    safe = nanpass.harden(m)
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            m.fc.bias.fill_(10 * sign)
+        x = torch.randn(2, 4, requires_grad=True)
+        outs, grads = forward_backward(safe, (x,))
+        assert all_finite(outs + grads)
+    assert safe.capture == "dynamo"
+    assert {c.op for c in safe.changes if c.action == "guarded"} >= {"log", "sqrt"}
+
+
+def test_transformer_encoder_layer_fully_padded():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    src = torch.randn(2, 3, 8, requires_grad=True)
+    pad = torch.tensor([[True, True, True], [False, False, True]])
+    safe = nanpass.harden(layer)
+    outs, grads = forward_backward(safe, (src,), {"src_key_padding_mask": pad})
+    assert all_finite(outs + grads)
+    ref = layer(src, src_key_padding_mask=pad)
+    assert torch.equal(bits(outs[0][1]), bits(ref[1]))
+    assert any(c.op == "multi_head_attention" for c in safe.changes)
+
+
+def test_training_loop_stays_finite():
+    """20 steps with a log and a normalisation that hit 0: the original goes NaN."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            r = torch.relu(self.fc(x))
+            p = r / r.sum(-1, keepdim=True)
+            return -torch.log(p[:, 0]).mean()
+
+    def train(model, params):
+        opt = torch.optim.SGD(params, lr=0.05)
+        torch.manual_seed(1)
+        for _ in range(20):
+            x = torch.randn(8, 4)
+            x[0] = -10.0  # a row where every relu is 0
+            opt.zero_grad()
+            loss = model(x)
+            loss.backward()
+            opt.step()
+        return loss
+
+    torch.manual_seed(0)
+    plain = Model()
+    with torch.no_grad():
+        plain.fc.bias.fill_(-1.0)
+    hard_model = copy.deepcopy(plain)
+    assert not torch.isfinite(train(plain, plain.parameters()))
+    assert not all(torch.isfinite(p).all() for p in plain.parameters())
+    safe = nanpass.harden(hard_model)
+    loss = train(safe, hard_model.parameters())
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p).all() for p in hard_model.parameters())
+
+
+def test_integer_division_keeps_its_semantics():
+    def f(a, b):
+        return a / b, torch.div(a, b, rounding_mode="floor"), a // b
+
+    a, b = torch.tensor([7, -7]), torch.tensor([2, 2])
+    safe = nanpass.harden(Fn(f))
+    for got, want in zip(safe(a, b), f(a, b), strict=True):
+        assert torch.equal(got, want) and got.dtype == want.dtype
+    z = torch.tensor([0, 2])
+    div = nanpass.harden(Fn(lambda a, b: a / b))
+    assert torch.equal(div(a, z), a / z)  # int / 0 true division: inf, as torch
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):  # as torch: integer floor division by 0
+        nanpass.harden(Fn(lambda a, b: torch.div(a, b, rounding_mode="floor")))(a, z)
+
+
+def test_exclusions_and_mode_off():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(2, 2), nn.LogSoftmax(-1))
+            self.b = nn.Sequential(nn.Linear(2, 2), nn.LogSoftmax(-1))
+
+        def forward(self, x):
+            return self.a(x) + torch.log(self.b(x).exp())
+
+    m = Two()
+    changes = nanpass.harden(m, exclude=["a"]).changes
+    left = {c.module for c in changes if c.action == "left"}
+    assert "a.1" in left
+    assert any(c.module == "b.1" and c.action == "guarded" for c in changes)
+    only_log = nanpass.harden(m, ops=["log"]).changes
+    assert {c.op for c in only_log if c.action == "guarded"} == {"log"}
+    no_log = nanpass.harden(m, exclude_ops=["log"], stable=False).changes
+    assert "log" not in {c.op for c in no_log if c.action == "guarded"}
+    off = nanpass.harden(m, mode="off")
+    x = torch.full((1, 2), inf)
+    assert not torch.isfinite(off(x)).all()
+    assert off.changes == []
+
+
+def test_constant_overrides_tighten_only():
+    m = Fn(torch.log)
+    safe = nanpass.harden(m, constants={"log": {"lo": 1e-3}})
+    assert safe(torch.tensor([0.0])) == torch.log(torch.tensor(1e-3))
+    # 1e-8 is 0 in float16: the dtype's own bound wins
+    safe16 = nanpass.harden(m, constants={"log": {"lo": 1e-8}})
+    assert torch.isfinite(safe16(torch.tensor([0.0], dtype=torch.float16)))
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"mode": "fast"}, "unknown mode 'fast'; valid modes: 'guard', 'off'"),
+        ({"ops": ["lgo"]}, "unknown op 'lgo' in ops (did you mean 'log'?)"),
+        ({"exclude_ops": ["softmaxx"]}, "unknown op 'softmaxx' in exclude_ops"),
+        ({"exclude": ["encoder.layers.9"]}, "exclude names module 'encoder.layers.9'"),
+        ({"constants": {"log": {"eps": 1.0}}}, "op 'log' has no constant 'eps'; its constants: 'lo', 'hi'"),
+        ({"constants": {"log": {"lo": "tiny"}}}, "constants['log']['lo'] must be a finite number"),
+        ({"constants": {"nope": {}}}, "unknown op 'nope' in constants"),
+    ],
+)
+def test_config_errors(kwargs, needle):
+    with pytest.raises(nanpass.ConfigError) as e:
+        nanpass.harden(nn.Linear(2, 2), **kwargs)
+    assert str(e.value).startswith("nanpass: ")
+    assert needle in str(e.value)
+
+
+def test_harden_rejects_non_modules():
+    with pytest.raises(TypeError) as e:
+        nanpass.harden(3)
+    assert isinstance(e.value, nanpass.NanpassError)
+    assert str(e.value).startswith("nanpass: harden() takes a torch.nn.Module, got int 3")
+
+
+def test_capture_error_when_nothing_captures():
+    class Opaque(nn.Module):
+        @torch.compiler.disable  # dynamo will not look inside; fx trips on the branch
+        def forward(self, x):
+            if x.sum() > 0:
+                return torch.log(x)
+            return x
+
+    safe = nanpass.harden(Opaque())
+    with pytest.raises(nanpass.CaptureError) as e:
+        safe(torch.zeros(2))
+    assert str(e.value).startswith("nanpass: could not capture Opaque.forward")
+    assert "torch.fx failed" in str(e.value)
