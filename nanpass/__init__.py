@@ -1,6 +1,7 @@
 """nanpass: make PyTorch models numerically safe by rewriting their graphs."""
 
 from ._backend import Backend as Backend
+from ._backend import GraphRecord as GraphRecord
 from ._backend import backend as backend
 from ._config import Config as Config
 from ._errors import CaptureError as CaptureError

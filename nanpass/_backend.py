@@ -7,7 +7,9 @@ Registered only through the ``torch_dynamo_backends`` entry point (pyproject.tom
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.fx as fx
 
@@ -16,6 +18,15 @@ from ._errors import ConfigError
 from ._rewrite import Change, rewrite
 
 OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inner")
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """What the rewrite did to one captured graph, kept before any inner compiler mutates it."""
+
+    code: str  # the rewritten graph as Python
+    changes: list[Change]
+    rewrite_s: float  # wall time of the rewrite pass
 
 
 def _inner(name: str, gm: fx.GraphModule, example_inputs):
@@ -35,29 +46,31 @@ def compile_graph(
     example_inputs,
     config: Config,
     inner: str | None = None,
-    keep: Callable[[str, list[Change]], None] | None = None,
+    keep: Callable[[GraphRecord], None] | None = None,
 ):
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
+    t = time.perf_counter()
     changes = rewrite(gm, config)
     if keep is not None:
-        keep(gm.code, changes)
+        keep(GraphRecord(gm.code, changes, time.perf_counter() - t))
     return _inner(inner or config.inner, gm, example_inputs)
 
 
 class Backend:
     """A configured backend: ``torch.compile(model, backend=nanpass.backend(...))``.
-    ``.graphs`` holds (code, changes) for every graph it compiled."""
+    ``.graphs`` holds a GraphRecord for every graph it compiled."""
 
     def __init__(self, config: Config):
         self.config = config
-        self.graphs: list[tuple[str, list[Change]]] = []
+        self.graphs: list[GraphRecord] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):
-        return compile_graph(gm, example_inputs, self.config, keep=self._keep)
+        return compile_graph(gm, example_inputs, self.config, keep=self.graphs.append)
 
-    def _keep(self, code: str, changes: list[Change]) -> None:
-        self.graphs.append((code, changes))
+    @property
+    def changes(self) -> list[Change]:
+        return [c for g in self.graphs for c in g.changes]
 
     def __repr__(self) -> str:
         return f"nanpass.backend({self.config.as_options() | {'inner': self.config.inner}})"

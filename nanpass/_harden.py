@@ -32,7 +32,7 @@ class Hardened(torch.nn.Module):
         d["_nanpass_fx"] = {}  # key -> (GraphModule, runner, changes)
         d["_nanpass_fx_error"] = None  # why fx could not trace (then dynamo captures)
         d["_nanpass_dynamo"] = None
-        d["_nanpass_graphs"] = []  # dynamo: (GraphModule code, changes) per captured graph
+        d["_nanpass_graphs"] = []  # dynamo: a GraphRecord per captured graph
         self.training = model.training
         if config.mode != "off":
             try:
@@ -59,10 +59,7 @@ class Hardened(torch.nn.Module):
         return entry
 
     def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
-        def keep(graph_code, changes):
-            self._nanpass_graphs.append((graph_code, changes))
-
-        return compile_graph(gm, example_inputs, self._nanpass_config, "eager", keep)
+        return compile_graph(gm, example_inputs, self._nanpass_config, "eager", self._nanpass_graphs.append)
 
     def _dynamo_call(self, args, kwargs):
         if self._nanpass_dynamo is None:
@@ -136,7 +133,7 @@ class Hardened(torch.nn.Module):
         if self._nanpass_fx_error is None:
             codes = [gm.code.strip() for gm, _, _ in self._nanpass_fx.values()]
         else:
-            codes = [code.strip() for code, _ in self._nanpass_graphs]
+            codes = [g.code.strip() for g in self._nanpass_graphs]
         return "\n\n".join(codes) if codes else "# (captured on the first call)"
 
     @property
@@ -145,7 +142,7 @@ class Hardened(torch.nn.Module):
         if self._nanpass_fx_error is None:
             groups = [c for _, _, c in self._nanpass_fx.values()]
         else:
-            groups = [c for _, c in self._nanpass_graphs]
+            groups = [g.changes for g in self._nanpass_graphs]
         seen, out = set(), []
         for group in groups:
             for c in group:
