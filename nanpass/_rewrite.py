@@ -85,13 +85,31 @@ def make_guard(rule: Rule, sp: Spelling, consts=None):
     return guard
 
 
-def _static_non_float(node: fx.Node) -> bool:
-    """True when capture metadata shows every tensor operand is integer, bool or complex."""
+def _is_shape_arith(node) -> bool:
+    """A Python number computed from shapes (``x.shape[-1] ** 0.5``), not a tensor."""
+    if not isinstance(node, fx.Node):
+        return isinstance(node, (int, float))
+    if node.op == "call_method" and node.target in ("size", "dim", "numel"):
+        return True
+    if node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",):
+        return True
+    if node.op == "call_function" and node.target.__module__ in ("_operator", "operator"):
+        return all(_is_shape_arith(a) for a in node.args)
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return val is not None and not isinstance(val, Tensor)
+
+
+def _static_non_float(node: fx.Node) -> str | None:
+    """Why the operands are known not to be floating tensors, from the graph alone."""
+    if node.all_input_nodes and all(_is_shape_arith(a) for a in node.args):
+        return "Python numbers (shape arithmetic), not tensors"
     vals = [n.meta.get("example_value", n.meta.get("val")) for n in node.all_input_nodes]
     tensors = [v for v in vals if isinstance(v, Tensor)]
     if not tensors or len(tensors) != len(vals):
-        return False
-    return not any(t.is_floating_point() for t in tensors)
+        return None
+    if not any(t.is_floating_point() for t in tensors):
+        return "integer/bool/complex operands keep their exact semantics"
+    return None
 
 
 def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
@@ -137,8 +155,8 @@ def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
             why = f"module {path!r} excluded by config"
         elif sp.kind != "module" and rule.safe_if is not None:
             why = rule.safe_if(node.args, node.kwargs)
-        if why is None and _static_non_float(node):
-            why = "integer/bool/complex operands keep their exact semantics"
+        if why is None:
+            why = _static_non_float(node)
         if why is not None:
             record(node, rule.name, sp.name, "left", why)
             continue

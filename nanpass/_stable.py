@@ -119,6 +119,15 @@ def _mul_of(node, root):
 
 
 PATTERNS: dict[str, Callable] = {"log": _log_of, "sub": _sub_of, "mul": _mul_of}
+DESCRIPTIONS = (
+    "log(softmax(x)) -> log_softmax(x)",
+    "log(sigmoid(x)) -> logsigmoid(x)",
+    "log(1 - sigmoid(x)) -> logsigmoid(-x)",
+    "log(1 + x) -> log1p(x)",
+    "log(sum(exp(x))) -> logsumexp(x)",
+    "exp(x) - 1 -> expm1(x)",
+    "t * log(p) -> xlogy(t, p)",
+)
 
 
 def apply(gm: fx.GraphModule, root, record: Callable) -> None:

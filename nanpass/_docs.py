@@ -1,0 +1,94 @@
+"""docs/guards.md, generated from the rule table (a test checks the file is current).
+
+    python -m nanpass._docs > docs/guards.md
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._constants import bounds
+from ._rules import RULES
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+HEADER = """# Guards: the contract, op by op
+
+Generated from the rule table (`nanpass/_rules.py`) by `python -m nanpass._docs > docs/guards.md`;
+`tests/test_docs.py` fails when this file is out of date.
+
+Every guarded op keeps two promises, property-tested per op and per dtype
+(float16, bfloat16, float32, float64) in `tests/test_contract.py`:
+
+1. **Finite.** For operands that are finite or +-inf, the value and the gradient are finite.
+2. **Identity on the safe domain.** Where the original op's value and gradient are finite and
+   the operands lie inside the guard's bounds, the value and the gradient are the same, bit for bit,
+   in eager mode.
+
+How: a guard changes only the operands outside the op's safe domain. It clamps them into a
+closed domain on which the op and its derivative are finite (identity inside: clamp's gradient is
+exactly the incoming gradient there, and zero outside), maps +-inf to +-max with `nan_to_num`, and puts
+a *finite-gradient fence* between the clamp and the op: identity forward; in backward a gradient
+that is not finite (the derivative of sqrt at 0, of acos at 1) becomes 0. The op never sees an
+unsafe operand, so the double-where trap (`torch.where(d != 0, x / d, 0)` has a NaN gradient at
+d = 0, because 0 * inf = NaN) cannot happen.
+
+Constants come from `torch.finfo` of the operand and are rounded into its dtype (a fixed `1e-8`
+is 0 in float16; `1 - 1e-8` is exactly 1.0 in float32). Per-op overrides (`constants=`) may
+only tighten a bound: a value that rounds past the dtype's own safe bound is replaced by it.
+
+Integer, bool and complex operands are never touched: the original op runs.
+"""
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.6g}"
+
+
+def _constants(rule) -> str:
+    if not rule.constants:
+        return ""
+    rows = ["| constant | " + " | ".join(str(d).replace("torch.", "") for d in DTYPES) + " |",
+            "|---" * (len(DTYPES) + 1) + "|"]
+    for name, fn in rule.constants.items():
+        rows.append(f"| `{name}` | " + " | ".join(_fmt(fn(bounds(d))) for d in DTYPES) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def guards_markdown() -> str:
+    out = [HEADER]
+    guarded = [r for r in RULES if r.guarded]
+    out.append("## Summary\n")
+    out.append("| op | unsafe because | guard |\n|---|---|---|")
+    for r in guarded:
+        out.append(f"| [`{r.name}`](#{r.name}) | {r.reason} | {r.action} |")
+    out.append("")
+    for r in guarded:
+        out.append(f"## {r.name}\n")
+        out.append(f"- **Unsafe because:** {r.reason}.")
+        out.append(f"- **Guard:** {r.action}.")
+        if r.stable:
+            out.append("- Also the result of an exact stable-form rewrite.")
+        spellings = ", ".join(f"`{sp.name}`" for sp in r.spellings())
+        out.append(f"- **Spellings:** {spellings}.\n")
+        table = _constants(r)
+        if table:
+            out.append(table)
+    left = [r for r in RULES if r.safe]
+    if left:
+        out.append("## Recognised and left alone\n")
+        for r in left:
+            spellings = ", ".join(f"`{sp.name}`" for sp in r.spellings())
+            out.append(f"- **{r.name}** ({spellings}): {r.reason}.")
+        out.append("")
+    out.append("## Exact stable-form rewrites\n")
+    out.append("Applied before the guards; they give the true value where the naive form loses it "
+               "(and may differ from it by rounding, never in accuracy):\n")
+    from ._stable import DESCRIPTIONS
+
+    out.extend(f"- `{d}`" for d in DESCRIPTIONS)
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(guards_markdown(), end="")

@@ -1,0 +1,30 @@
+"""The docs that are derived from code stay in step with it."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+from nanpass._docs import guards_markdown
+from nanpass._rules import GUARDED
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_guards_md_is_generated_from_the_table():
+    text = (ROOT / "docs" / "guards.md").read_text()
+    assert text == guards_markdown(), "run: python -m nanpass._docs > docs/guards.md"
+    for name in GUARDED:
+        assert f"## {name}\n" in text
+
+
+def test_readme_has_exactly_two_setup_commands():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", readme, flags=re.S)
+    commands = [line for b in blocks for line in b.strip().splitlines() if line.strip()]
+    assert len(commands) == 2, commands
+    assert "examples/quickstart.py" in commands[0]
+    assert "pytest" in commands[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert commands[1] in ci, "CI must run the README's test command"
+    assert "torch==2.13.0" in ci
