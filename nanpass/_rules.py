@@ -316,6 +316,20 @@ RULES: tuple[Rule, ...] = (
         "all other rows are unchanged",
         functions=("F.multi_head_attention_forward",), modules=("nn.MultiheadAttention",),
     ),
+    Rule(
+        "mha_fast_path", g.finite_result,
+        reason="nn.MultiheadAttention's inference fast path (eval, no grad): a query whose every "
+        "key is masked gives NaN, whatever the mask values",
+        action="a NaN result becomes 0 (what scaled_dot_product_attention gives such a row)",
+        functions=("torch._native_multi_head_attention",),
+    ),
+    Rule(
+        "encoder_layer_fast_path", g.finite_result,
+        reason="nn.TransformerEncoderLayer's inference fast path (eval, no grad): a fully padded "
+        "sequence gives NaN, whatever the mask values",
+        action="a NaN result becomes 0 (what scaled_dot_product_attention gives such a row)",
+        functions=("torch._transformer_encoder_layer_fwd",),
+    ),
     # -- recognised and left alone, with the reason shown in the report -------------------------
     Rule(
         "scaled_dot_product_attention", None, safe=True,

@@ -335,10 +335,58 @@ def test_mha_fully_padded(dtype, need_weights):
     assert torch.equal(bits(outs[0][:, 1]), bits(ref[:, 1]))
 
 
+def _encoder(dtype):
+    torch.manual_seed(0)
+    return torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("kind", ["mha", "encoder"])
+def test_attention_inference_fast_paths(kind, dtype):
+    """eval() + no_grad() takes torch's fused fast paths; dynamo keeps them as single calls."""
+    import nanpass
+
+    pad = torch.tensor([[True, True, True], [False, True, False]])
+    src = torch.randn(2, 3, 8, dtype=dtype)
+    if kind == "mha":
+        model = torch.nn.MultiheadAttention(8, 2, batch_first=True).to(dtype).eval()
+        call = {"query": src, "key": src, "value": src, "key_padding_mask": pad, "need_weights": False}
+        rule = "mha_fast_path"
+    else:
+        model = _encoder(dtype).eval()
+        call = {"src": src, "src_key_padding_mask": pad}
+        rule = "encoder_layer_fast_path"
+    safe = nanpass.harden(model)
+    with torch.no_grad():
+        ref = model(**call)
+        out = safe(**call)
+    ref, out = (ref[0], out[0]) if kind == "mha" else (ref, out)
+    assert not finite(ref[0]).all()  # what torch itself gives
+    assert finite(out).all()
+    # fx keeps nn.MultiheadAttention whole (its guard); dynamo exposes the fast path
+    ops = {c.op for c in safe.changes if c.action == "guarded"}
+    assert ops & {rule, "multi_head_attention"}, safe.changes
+    torch.testing.assert_close(out[1], ref[1])
+
+
+def test_native_mha_fast_path_call():
+    """torch._native_multi_head_attention, as a model calling it directly would spell it."""
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    src = torch.randn(2, 3, 8)
+    pad = torch.tensor([[True, True, True], [False, True, False]])
+    args = (src, src, src, 8, 2, mha.in_proj_weight, mha.in_proj_bias, mha.out_proj.weight,
+            mha.out_proj.bias, pad, False, True, 1)
+    g, orig = guard("mha_fast_path")
+    with torch.no_grad():
+        ref, out = orig(*args)[0], g(*args)[0]
+    assert not finite(ref[0]).all() and finite(out).all()
+    assert torch.equal(bits(out[1]), bits(ref[1]))
+
+
 def test_every_guarded_op_has_a_property_test():
     tested = set(ELEMENTWISE) | set(ROWWISE) | {
         "div", "reciprocal", "pow", "std", "var", "xlogy", "cross_entropy", "nll_loss", "kl_div",
-        "cosine_similarity", "multi_head_attention"}
+        "cosine_similarity", "multi_head_attention", "mha_fast_path", "encoder_layer_fast_path"}
     assert tested == set(GUARDED)
 
 
