@@ -69,11 +69,11 @@ class Config:
         }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _consts_fn(op: str, overrides: tuple[tuple[str, float], ...]):
     defaults = BY_NAME[op].constants
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def for_dtype(dtype: torch.dtype) -> dict[str, float]:
         b = bounds(dtype)
         values = {name: fn(b) for name, fn in defaults.items()}

@@ -55,7 +55,7 @@ class Bounds:
     mask_low: float  # a finite "minus infinity" for attention masks; two of them still add up finite
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bounds(dtype: torch.dtype) -> Bounds:
     fi = torch.finfo(dtype)
 

@@ -30,6 +30,21 @@ from ._constants import PowDomain, bounds, pow_domain
 Tensor = torch.Tensor
 
 
+def _saturate(t: Tensor) -> Tensor:
+    """+-inf to +-max, NaN to 0. Under torch.compile, written with clamp/where: inductor's CPU
+    code generator scalarises nan_to_num (isnan) and that costs more than the op it guards."""
+    m = bounds(t.dtype).max
+    if torch.compiler.is_compiling():
+        return torch.where(t != t, 0.0, torch.clamp(t, -m, m))
+    return torch.nan_to_num(t, nan=0.0, posinf=m, neginf=-m)
+
+
+def _zero_nonfinite(t: Tensor) -> Tensor:
+    if torch.compiler.is_compiling():
+        return torch.where(t.abs() <= bounds(t.dtype).max, t, 0.0)  # false for inf and NaN
+    return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 class _FiniteGrad(torch.autograd.Function):
     @staticmethod
     def forward(x):
@@ -42,7 +57,23 @@ class _FiniteGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # a fresh tensor: never write into grad (it may be an expanded view)
-        return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+        return _zero_nonfinite(grad)
+
+
+class _Finite(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return _saturate(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        # straight through: nothing saved, no backward kernel; the guarded op's own
+        # gradient is finite at +-max, and a finite-grad fence sits before any op whose is not
+        return grad
 
 
 def finite_grad(x):
@@ -52,12 +83,11 @@ def finite_grad(x):
     return x
 
 
-def finite(x, b=None):
-    """+-inf to +-max, NaN to 0: identity on finite values, zero gradient elsewhere."""
+def finite(x):
+    """+-inf to +-max, NaN to 0: identity on finite values; the gradient passes straight through."""
     if not isinstance(x, Tensor) or not x.is_floating_point():
         return x
-    b = b or bounds(x.dtype)
-    return torch.nan_to_num(x, nan=0.0, posinf=b.max, neginf=-b.max)
+    return _Finite.apply(x) if x.requires_grad else _saturate(x)
 
 
 def finite_all(out):
@@ -112,14 +142,13 @@ def logit(fn, args, kwargs, consts):
 # -- division -----------------------------------------------------------------------------
 
 
-def _quotient(q: Tensor, zero, consts) -> Tensor:
+def _quotient(q: Tensor, zero) -> Tensor:
     """0 where the divisor is 0 (as tf.math.divide_no_nan), +-max where the quotient overflows."""
     if isinstance(zero, Tensor):
         q = torch.where(zero, 0.0, q)
     elif zero:  # a constant 0 divisor: 0, still connected to the graph for backward
         q = torch.where(torch.ones((), dtype=torch.bool, device=q.device), 0.0, q)
-    c = consts(q.dtype)
-    return torch.nan_to_num(q, nan=0.0, posinf=c["max"], neginf=-c["max"])
+    return finite(q)
 
 
 def div(fn, args, kwargs, consts):
@@ -127,12 +156,12 @@ def div(fn, args, kwargs, consts):
     q = fn(finite_grad(x), finite_grad(d), *rest, **kw)
     if not q.is_floating_point():
         return q
-    return _quotient(q, d == 0, consts)
+    return _quotient(q, d == 0)
 
 
 def reciprocal(fn, args, kwargs, consts):
     x, rest, kw = _unary(args, kwargs)
-    return _quotient(fn(finite_grad(x), *rest, **kw), x == 0, consts)
+    return _quotient(fn(finite_grad(x), *rest, **kw), x == 0)
 
 
 # -- pow ----------------------------------------------------------------------------------
@@ -198,7 +227,7 @@ def cosine_similarity(fn, args, kwargs, consts):
     in float16 gives 0/0 (the default eps 1e-8 is 0 there): 0, as float32 gives."""
     (a, b), rest, kw = operands(args, kwargs, ("x1", "x2"))
     out = fn(finite_grad(finite(a)), finite_grad(finite(b)), *rest, **kw)
-    return torch.clamp(torch.nan_to_num(out, nan=0.0), -1.0, 1.0)
+    return torch.clamp(finite(out), -1.0, 1.0)
 
 
 @functools.lru_cache(maxsize=64)

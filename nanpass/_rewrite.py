@@ -39,7 +39,8 @@ class Change:
 
 
 def _has_float(args, kwargs) -> bool:
-    for a in (*args, *kwargs.values()):
+    # a loop, not any(<genexpr>): this runs on every guarded call
+    for a in (*args, *kwargs.values()):  # noqa: SIM110
         if isinstance(a, Tensor) and a.is_floating_point():
             return True
     return False
@@ -49,7 +50,7 @@ def _no_consts(dtype):  # pragma: no cover - rules without constants never call 
     return {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_guard(rule: Rule, sp: Spelling, consts=None):
     """The function a rewritten node calls: the rule's guard bound to one spelling."""
     impl = rule.guard
@@ -131,11 +132,11 @@ def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
             )
         )
 
+    def record_stable(node, description):
+        record(node, match(node, gm)[0].name, description.split(" -> ")[0], "stable", description)
+
     if config.stable:
-        _stable.apply(
-            gm, gm,
-            lambda node, desc: record(node, desc.split(" -> ")[1].split("(")[0], desc.split(" -> ")[0], "stable", desc),
-        )
+        _stable.apply(gm, gm, record_stable)
 
     graph = gm.graph
     for node in list(graph.nodes):

@@ -126,14 +126,13 @@ RULES: tuple[Rule, ...] = (
         operators=("operator.truediv",),
         inplace_operators=(("operator.itruediv", "operator.truediv"),),
         methods=("div", "divide", "true_divide"), inplace=True,
-        constants={"max": lambda b: b.max}, safe_if=_divisor_safe,
+        safe_if=_divisor_safe,
     ),
     Rule(
         "reciprocal", g.reciprocal,
         reason="1/0 is inf",
         action="0 where the operand is 0, +-max on overflow; non-finite gradients become 0",
         functions=("torch.reciprocal",), methods=("reciprocal",), inplace=True,
-        constants={"max": lambda b: b.max},
     ),
     Rule(
         "log", g.clamped("lo", "hi"),

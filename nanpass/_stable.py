@@ -112,9 +112,9 @@ def _mul_of(node, root):
         return None
     a, b = ab
     for t, lg in ((a, b), (b, a)):
-        if _rule(lg, root) == "log" and len(lg.args) == 1 and not lg.kwargs:
-            if isinstance(t, fx.Node) or isinstance(t, (int, float)):
-                return "t * log(p) -> xlogy(t, p)", [(canonical("xlogy"), (t, _input(lg)), {})]
+        plain_log = _rule(lg, root) == "log" and len(lg.args) == 1 and not lg.kwargs
+        if plain_log and isinstance(t, (fx.Node, int, float)):
+            return "t * log(p) -> xlogy(t, p)", [(canonical("xlogy"), (t, _input(lg)), {})]
     return None
 
 

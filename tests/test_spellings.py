@@ -14,7 +14,6 @@ from nanpass._rules import RULES
 from tests.cases import PROBES, module_for
 from tests.helpers import all_finite, forward_backward
 
-
 FAST_PATHS = ("mha_fast_path", "encoder_layer_fast_path")
 
 
