@@ -338,6 +338,8 @@ RULES: tuple[Rule, ...] = (
     # -- building blocks of the stable-form patterns (never rewritten themselves) ----------------
     Rule("sigmoid", None, functions=("torch.sigmoid", "F.sigmoid", "torch.special.expit"),
          methods=("sigmoid",), modules=("nn.Sigmoid",)),
+    Rule("tanh", None, functions=("torch.tanh", "F.tanh"), methods=("tanh",), modules=("nn.Tanh",)),
+    Rule("gelu", None, stable=True, functions=("F.gelu",), modules=("nn.GELU",)),
     Rule("sum", None, functions=("torch.sum",), methods=("sum",)),
     Rule("add", None, functions=("torch.add",), operators=("operator.add",), methods=("add",)),
     Rule("sub", None, functions=("torch.sub", "torch.subtract"), operators=("operator.sub",),

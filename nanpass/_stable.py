@@ -5,6 +5,7 @@ Patterns name ops by rule name only; spellings are the rule table's business.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch.fx as fx
@@ -106,7 +107,64 @@ def _sub_of(node, root):
     return None
 
 
+def _scaled(node, root, value: float):
+    """x when ``node`` is ``value * x`` or ``x * value``, else None."""
+    if _rule(node, root) != "mul":
+        return None
+    ab = _binary(node)
+    if ab is None:
+        return None
+    for c, x in (ab, ab[::-1]):
+        if isinstance(c, (int, float)) and not isinstance(c, bool) and abs(c - value) < 1e-6 * abs(value):
+            return x
+    return None
+
+
+def _plus(node, root, value):
+    """x when ``node`` is ``x + value`` or ``value + x`` (value a number or a node)."""
+    if _rule(node, root) != "add":
+        return None
+    ab = _binary(node)
+    if ab is None:
+        return None
+    for c, x in (ab, ab[::-1]):
+        if c is value or (isinstance(value, float) and _is_one(c)):
+            return x
+    return None
+
+
+def _cube_of(node, root):
+    if _rule(node, root) == "pow" and _arg(node, 1, "exponent") in (3, 3.0):
+        return _input(node)
+    return None
+
+
+def _tanh_gelu(node, root):
+    """0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))), as GPT-2's gelu_new writes it:
+    x**3 overflows long before the GELU does; F.gelu(approximate="tanh") is the same formula,
+    computed in one kernel (in float32 for float16/bfloat16)."""
+    ab = _binary(node)
+    if ab is None:
+        return None
+    for half, rest in (ab, ab[::-1]):
+        x = _scaled(half, root, 0.5)
+        t = _plus(rest, root, 1.0)
+        if x is None or _rule(t, root) != "tanh":
+            continue
+        inner = _scaled(_input(t), root, math.sqrt(2.0 / math.pi))
+        cube = _plus(inner, root, x) if inner is not None else None
+        p = _scaled(cube, root, 0.044715) if cube is not None else None
+        if p is not None and _cube_of(p, root) is x:
+            return "0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))) -> gelu(x, 'tanh')", [
+                (canonical("gelu"), (x,), {"approximate": "tanh"})
+            ]
+    return None
+
+
 def _mul_of(node, root):
+    gelu = _tanh_gelu(node, root)
+    if gelu is not None:
+        return gelu
     ab = _binary(node)
     if ab is None:
         return None
@@ -127,6 +185,7 @@ DESCRIPTIONS = (
     "log(sum(exp(x))) -> logsumexp(x)",
     "exp(x) - 1 -> expm1(x)",
     "t * log(p) -> xlogy(t, p)",
+    "0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))) -> gelu(x, 'tanh')",
 )
 
 

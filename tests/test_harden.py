@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanpass
+import nanpass._stable
 from tests.helpers import all_finite, bits, forward_backward
 
 inf = math.inf
@@ -165,6 +166,13 @@ def test_stable_forms():
     assert torch.allclose(a[0], F.log_softmax(x[0], -1).clamp_min(-torch.finfo().max))
     assert b[0, 1] == F.logsigmoid(torch.tensor(-200.0))
     assert c[0, 0] == F.logsigmoid(torch.tensor(-200.0))
+    gelu = nanpass.harden(Fn(lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))))
+    big = torch.tensor([300.0, -300.0, 1.0], dtype=torch.float16, requires_grad=True)
+    out = gelu(big)
+    out.sum().backward()
+    assert [c.detail for c in gelu.changes] == [nanpass._stable.DESCRIPTIONS[-1]]
+    assert torch.isfinite(out).all() and torch.isfinite(big.grad).all()
+    assert torch.equal(out, F.gelu(big, approximate="tanh"))
     xs = torch.tensor([1e-10])
     assert Fn(lambda x: torch.log(1 + x))(xs) == 0  # the naive form loses it
     assert nanpass.harden(Fn(lambda x: torch.log(1 + x)))(xs) == torch.log1p(xs)

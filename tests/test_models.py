@@ -39,13 +39,18 @@ def test_harden_matches_original(name):
     model = MODELS[name]()
     batch = _batch()
     ref = model(**batch)
-    safe = nanpass.harden(model)
-    out = safe(**batch)
+    # guards alone: bit for bit the same on normal inputs
+    exact = nanpass.harden(model, stable=False)
+    out = exact(**batch)
     assert type(out) is type(ref)
-    assert safe.capture == "dynamo"
+    assert exact.capture == "dynamo"
     assert torch.equal(out.logits, ref.logits)
     assert torch.equal(out.loss, ref.loss)
-    assert any(c.action == "guarded" for c in safe.changes)
+    assert any(c.action == "guarded" for c in exact.changes)
+    # with the stable forms (GPT-2's gelu_new -> F.gelu(approximate="tanh")): rounding only
+    safe = nanpass.harden(model)
+    out = safe(**batch)
+    torch.testing.assert_close(out.logits, ref.logits)
     # training works through the hardened graph
     safe.train()
     safe(**batch).loss.backward()
