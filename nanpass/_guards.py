@@ -7,7 +7,8 @@ operands outside the op's safe domain, with three building blocks:
 
 * ``torch.clamp`` into a closed domain where the op and its derivative are finite: identity
   inside (value and gradient bitwise), zero gradient outside;
-* ``torch.nan_to_num`` to map +-inf to +-max (identity on finite values);
+* ``finite``: +-inf to +-max and NaN to 0, identity on finite values; its gradient passes
+  straight through (nothing saved, no backward kernel);
 * ``finite_grad``: identity forward; in backward, a gradient that is not finite becomes 0.
   This is what defeats the double-where trap: the op never sees an unsafe operand, and a
   derivative that is infinite at the boundary (sqrt at 0, acos at 1) cannot leak NaN.
@@ -128,14 +129,18 @@ def clamped(lo: str | None, hi: str | None) -> Callable:
     return impl
 
 
+@functools.lru_cache(maxsize=256)
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype))
+
+
 def logit(fn, args, kwargs, consts):
     x, rest, kw = _unary(args, kwargs)
     c = consts(x.dtype)
     eps = rest[0] if rest else kw.get("eps")
     lo, hi = c["lo"], c["hi"]
     if eps is not None:  # respect the user's eps, but never 1 - eps == 1.0
-        lo = max(lo, float(torch.tensor(eps, dtype=x.dtype)))
-        hi = min(hi, float(1 - torch.tensor(eps, dtype=x.dtype)))
+        lo, hi = max(lo, _in_dtype(eps, x.dtype)), min(hi, _in_dtype(1 - eps, x.dtype))
     return fn(finite_grad(torch.clamp(x, lo, hi)), *rest, **kw)
 
 
