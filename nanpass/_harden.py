@@ -62,6 +62,16 @@ class Hardened(torch.nn.Module):
         return compile_graph(gm, example_inputs, self._nanpass_config, "eager", self._nanpass_graphs.append)
 
     def _dynamo_call(self, args, kwargs):
+        if torch.compiler.is_compiling():
+            # an outer torch.compile would inline our capture and hand the ops, unguarded,
+            # to its own backend
+            raise CaptureError(
+                f"nanpass: torch.compile(harden(model)) cannot guard "
+                f"{type(self._nanpass_model).__name__}: torch.fx cannot trace it "
+                f"({self._nanpass_fx_error}), so its graph comes from dynamo; compile the "
+                f"original with the nanpass backend instead: "
+                f"torch.compile(model, backend=\"nanpass\")"
+            )
         if self._nanpass_dynamo is None:
             self.__dict__["_nanpass_dynamo"] = torch.compile(
                 self._nanpass_model, backend=self._dynamo_backend
@@ -182,6 +192,12 @@ def harden(
     if not isinstance(model, torch.nn.Module):
         raise NanpassTypeError(
             f"nanpass: harden() takes a torch.nn.Module, got {type(model).__name__} {model!r:.60}"
+        )
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise NanpassTypeError(
+            "nanpass: harden() got a torch.compile'd module; harden the original "
+            "(model._orig_mod), or compile with the nanpass backend: "
+            'torch.compile(model, backend="nanpass")'
         )
     config = make_config(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,

@@ -329,6 +329,23 @@ def test_harden_rejects_non_modules():
     assert str(e.value).startswith("nanpass: harden() takes a torch.nn.Module, got int 3")
 
 
+def test_compiled_modules_and_compiling_hardened_ones():
+    with pytest.raises(nanpass.NanpassTypeError, match="^nanpass: harden\\(\\) got a torch.compile'd module"):
+        nanpass.harden(torch.compile(nn.Linear(2, 2)))
+    # an fx-captured hardened model can itself be compiled: dynamo traces through the guards
+    m = nn.Sequential(nn.Linear(4, 4), nn.LogSoftmax(-1))
+    x = torch.full((2, 4), -inf, requires_grad=True)
+    outs, grads = forward_backward(torch.compile(nanpass.harden(m), backend="aot_eager"), (x,))
+    assert all_finite(outs + grads)
+
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return torch.log(x) if x.sum() > 0 else torch.sqrt(x)
+
+    with pytest.raises(nanpass.CaptureError, match='backend="nanpass"'):
+        torch.compile(nanpass.harden(Branchy()), backend="aot_eager")(torch.ones(2))
+
+
 def test_capture_error_when_nothing_captures():
     class Opaque(nn.Module):
         @torch.compiler.disable  # dynamo will not look inside; fx trips on the branch
