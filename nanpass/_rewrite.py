@@ -78,6 +78,9 @@ def make_guard(rule: Rule, sp: Spelling, consts=None):
         def guard(*args, **kwargs):
             if not _has_float(args, kwargs):
                 return fn(*args, **kwargs)
+            if kwargs.get("out") is not None:  # torch.log(x, out=y): guard, then write y
+                out = kwargs.pop("out")
+                return out.copy_(impl(fn, args, kwargs, consts))
             return impl(fn, args, kwargs, consts)
 
     guard.__name__ = guard.__qualname__ = f"guard_{rule.name}"

@@ -390,11 +390,26 @@ def test_every_guarded_op_has_a_property_test():
     assert tested == set(GUARDED)
 
 
-def test_sdpa_is_already_safe():
-    """Why scaled_dot_product_attention is left alone: torch itself returns 0 with finite grads."""
-    q = torch.randn(1, 1, 3, 4, requires_grad=True)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_sdpa_is_already_safe(dtype, compiled, float_mask):
+    """Why scaled_dot_product_attention is left alone: torch itself returns 0 for a query with
+    no unmasked key, with finite gradients, eager and compiled."""
+    q = torch.randn(1, 2, 3, 4, dtype=dtype, requires_grad=True)
     m = torch.ones(3, 3, dtype=torch.bool)
     m[1] = False
-    out = F.scaled_dot_product_attention(q, q, q, attn_mask=m)
-    out.sum().backward()
-    assert finite(out).all() and finite(q.grad).all() and (out[0, 0, 1] == 0).all()
+    if float_mask:
+        m = torch.zeros(3, 3, dtype=dtype).masked_fill(~m, -math.inf)
+    fn = F.scaled_dot_product_attention
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager")
+    out = fn(q, q, q, attn_mask=m)
+    out.float().sum().backward()
+    assert finite(out).all() and finite(q.grad).all() and (out[0, :, 1] == 0).all()
+
+
+def test_out_argument_gets_the_guarded_value():
+    g, _ = guard("log")
+    y = torch.empty(2)
+    assert g(torch.tensor([0.0, 1.0]), out=y) is y and finite(y).all()
