@@ -1,7 +1,6 @@
 """nanpass: make PyTorch models numerically safe by rewriting their graphs."""
 
 from ._backend import Backend as Backend
-from ._backend import GraphRecord as GraphRecord
 from ._backend import backend as backend
 from ._config import Config as Config
 from ._errors import CaptureError as CaptureError
@@ -11,7 +10,11 @@ from ._errors import NanpassTypeError as NanpassTypeError
 from ._errors import RewriteError as RewriteError
 from ._harden import Hardened as Hardened
 from ._harden import harden as harden
+from ._report import Report as Report
+from ._report import ReportError as ReportError
+from ._report import report as report
 from ._rewrite import Change as Change
+from ._rewrite import GraphRecord as GraphRecord
 from ._rewrite import summary as summary
 from ._rules import RULES as RULES
 from ._rules import Rule as Rule

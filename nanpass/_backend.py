@@ -7,26 +7,74 @@ Registered only through the ``torch_dynamo_backends`` entry point (pyproject.tom
 
 from __future__ import annotations
 
-import time
+import collections
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from ._config import Config, make_config
 from ._errors import ConfigError
-from ._rewrite import Change, rewrite
+from ._rewrite import Change, GraphRecord, rewrite_and_record
 
 OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inner")
 
+# every graph the backend compiled, in order, and the record of each compiled callable, so
+# nanpass.report(compiled_model) can find its own graphs through dynamo's cache
+_COMPILED: collections.deque[GraphRecord] = collections.deque(maxlen=4096)
+_BY_CALLABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-@dataclass(frozen=True)
-class GraphRecord:
-    """What the rewrite did to one captured graph, kept before any inner compiler mutates it."""
 
-    code: str  # the rewritten graph as Python
-    changes: list[Change]
-    rewrite_s: float  # wall time of the rewrite pass
+def _dynamo_records(model: torch.nn.Module) -> set[int]:
+    """Walk dynamo's cache entries of every forward in the model (and their resume functions
+    after graph breaks) to the callables this backend returned."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    found: set[int] = set()
+    seen: set = set()
+    stack = [type(m).forward for m in model.modules()]
+    while stack:
+        fn = stack.pop()
+        code = getattr(fn, "__code__", None)
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        for entry in _debug_get_cache_entry_list(code):
+            for name in entry.code.co_names:
+                obj = fn.__globals__.get(name)
+                if name.startswith("__resume_at"):
+                    stack.append(obj)
+                elif name.startswith("__compiled_fn"):
+                    while obj is not None:
+                        record = _BY_CALLABLE.get(obj) if _hashable(obj) else None
+                        if record is not None:
+                            found.add(id(record))
+                            break
+                        obj = getattr(obj, "__wrapped__", None)
+    return found
+
+
+def _hashable(obj) -> bool:
+    try:
+        hash(obj)
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def graphs_of(model: torch.nn.Module) -> list[GraphRecord]:
+    """The graphs compiled for this model, in compile order: found through dynamo's cache, or
+    (on a torch whose cache cannot be walked) by the parameters they read."""
+    try:
+        ids = _dynamo_records(model)
+    except (ImportError, AttributeError):
+        ids = set()
+    if ids:
+        return [r for r in _COMPILED if id(r) in ids]
+    mine = {id(p) for p in model.parameters()}
+    return [r for r in _COMPILED if any((p := ref()) is not None and id(p) in mine for ref in r.params)]
 
 
 def _inner(name: str, gm: fx.GraphModule, example_inputs):
@@ -50,11 +98,12 @@ def compile_graph(
 ):
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
-    t = time.perf_counter()
-    changes = rewrite(gm, config)
-    if keep is not None:
-        keep(GraphRecord(gm.code, changes, time.perf_counter() - t))
-    return _inner(inner or config.inner, gm, example_inputs)
+    record = rewrite_and_record(gm, config, "dynamo", example_inputs)
+    (keep or _COMPILED.append)(record)
+    compiled = _inner(inner or config.inner, gm, example_inputs)
+    if _hashable(compiled):
+        _BY_CALLABLE[compiled] = record
+    return compiled
 
 
 class Backend:
@@ -66,7 +115,11 @@ class Backend:
         self.graphs: list[GraphRecord] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):
-        return compile_graph(gm, example_inputs, self.config, keep=self.graphs.append)
+        return compile_graph(gm, example_inputs, self.config, keep=self._keep)
+
+    def _keep(self, record: GraphRecord) -> None:
+        self.graphs.append(record)
+        _COMPILED.append(record)
 
     @property
     def changes(self) -> list[Change]:

@@ -13,7 +13,7 @@ from . import _capture
 from ._backend import compile_graph
 from ._config import Config, make_config
 from ._errors import CaptureError, NanpassTypeError
-from ._rewrite import Change, rewrite, summary
+from ._rewrite import Change, GraphRecord, rewrite_and_record, summary
 
 
 class Hardened(torch.nn.Module):
@@ -29,7 +29,7 @@ class Hardened(torch.nn.Module):
         d["_nanpass_model"] = model
         d["_nanpass_config"] = config
         d["_nanpass_sig"] = inspect.signature(model.forward)
-        d["_nanpass_fx"] = {}  # key -> (GraphModule, runner, changes)
+        d["_nanpass_fx"] = {}  # key -> (GraphModule, runner, GraphRecord)
         d["_nanpass_fx_error"] = None  # why fx could not trace (then dynamo captures)
         d["_nanpass_dynamo"] = None
         d["_nanpass_graphs"] = []  # dynamo: a GraphRecord per captured graph
@@ -53,8 +53,8 @@ class Hardened(torch.nn.Module):
             if not guess:  # fx cannot trace a real call: dynamo captures from now on
                 self.__dict__["_nanpass_fx_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
             return None
-        changes = rewrite(gm, self._nanpass_config)
-        entry = (gm, _capture.runner(self._nanpass_model, gm), changes)
+        record = rewrite_and_record(gm, self._nanpass_config, "fx")
+        entry = (gm, _capture.runner(self._nanpass_model, gm), record)
         self._nanpass_fx[key] = entry
         return entry
 
@@ -138,23 +138,23 @@ class Hardened(torch.nn.Module):
         return "dynamo" if self._nanpass_graphs else "pending"
 
     @property
+    def graphs(self) -> list[GraphRecord]:
+        """One record per captured graph (fx: one per training mode and argument key)."""
+        if self._nanpass_fx_error is None:
+            return [record for _, _, record in self._nanpass_fx.values()]
+        return list(self._nanpass_graphs)
+
+    @property
     def code(self) -> str:
         """The rewritten graph(s) as Python."""
-        if self._nanpass_fx_error is None:
-            codes = [gm.code.strip() for gm, _, _ in self._nanpass_fx.values()]
-        else:
-            codes = [g.code.strip() for g in self._nanpass_graphs]
+        codes = [g.code.strip() for g in self.graphs]
         return "\n\n".join(codes) if codes else "# (captured on the first call)"
 
     @property
     def changes(self) -> list[Change]:
         """Every op looked at, once per distinct graph node."""
-        if self._nanpass_fx_error is None:
-            groups = [c for _, _, c in self._nanpass_fx.values()]
-        else:
-            groups = [g.changes for g in self._nanpass_graphs]
         seen, out = set(), []
-        for group in groups:
+        for group in (g.changes for g in self.graphs):
             for c in group:
                 k = (c.op, c.spelling, c.module, c.source, c.node, c.action)
                 if k not in seen:

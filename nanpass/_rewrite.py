@@ -9,6 +9,8 @@ without a ``Change`` that says why.
 from __future__ import annotations
 
 import functools
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +19,7 @@ import torch.fx as fx
 from . import _stable
 from ._config import Config
 from ._errors import RewriteError
-from ._rules import Rule, Spelling, match
+from ._rules import BY_NAME, Rule, Spelling, match
 from ._source import module_path, user_frame
 
 Tensor = torch.Tensor
@@ -27,7 +29,8 @@ Tensor = torch.Tensor
 class Change:
     """One op nanpass looked at: what it did there and why."""
 
-    node: str  # node name in the rewritten graph
+    node: str  # node name in the rewritten graph ("" when left alone: then it is `original`)
+    original: str  # node name in the captured graph, before the rewrite
     op: str  # rule name
     spelling: str  # as the user wrote it: "operator.truediv", "Tensor.log", "nn.Softmax"
     module: str  # module path as in named_modules(); "" for the root
@@ -35,7 +38,15 @@ class Change:
     source: str | None  # "file.py:12", the user's own frame
     code: str | None  # that source line
     action: str  # "guarded" | "stable" | "left"
-    detail: str  # the guard applied, the pattern rewritten, or why it was left alone
+    guard: str  # the guard or stable form applied; "" when left alone
+    reason: str  # why the op is unsafe, or why it was left alone
+    dtype: str | None = None  # the operand dtype, when the capture recorded it
+    constants: tuple[tuple[str, float], ...] = ()  # the guard's constants for that dtype
+    after_stable: bool = False  # a guard on the result of a stable form: not another unsafe op
+
+    @property
+    def detail(self) -> str:
+        return self.guard or self.reason
 
 
 def _has_float(args, kwargs) -> bool:
@@ -103,6 +114,15 @@ def _is_shape_arith(node) -> bool:
     return val is not None and not isinstance(val, Tensor)
 
 
+def _operand_dtype(node: fx.Node) -> torch.dtype | None:
+    """The floating dtype of the first tensor operand, when the capture recorded one."""
+    for n in node.all_input_nodes:
+        v = n.meta.get("example_value", n.meta.get("val"))
+        if isinstance(v, Tensor):
+            return v.dtype
+    return None
+
+
 def _static_non_float(node: fx.Node) -> str | None:
     """Why the operands are known not to be floating tensors, from the graph alone."""
     if node.all_input_nodes and all(_is_shape_arith(a) for a in node.args):
@@ -122,21 +142,34 @@ def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
     if config.mode == "off":
         return changes
 
-    def record(node, rule_name, spelling, action, detail):
+    stable_nodes: set[str] = set()
+
+    def record(node, original, rule_name, spelling, action, guard, reason):
         path, cls = module_path(node)
         if node.op == "call_module" or (not cls and path):
             cls = type(gm.get_submodule(path)).__name__ if path else cls
         frame = user_frame(node.meta.get("stack_trace"))
+        dtype = _operand_dtype(node)
+        consts = ()
+        rule = BY_NAME[rule_name]
+        if action == "guarded" and rule.constants and dtype is not None:
+            consts = tuple(sorted(config.consts(rule_name)(dtype).items()))
         changes.append(
             Change(
-                node=node.name, op=rule_name, spelling=spelling, module=path, module_type=cls,
+                node="" if action == "left" else node.name, original=original, op=rule_name,
+                spelling=spelling, module=path, module_type=cls,
                 source=frame[0] if frame else None, code=frame[1] if frame else None,
-                action=action, detail=detail,
+                action=action, guard=guard, reason=reason,
+                dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+                constants=consts, after_stable=original in stable_nodes,
             )
         )
+        if action == "stable":
+            stable_nodes.add(node.name)
 
-    def record_stable(node, description):
-        record(node, match(node, gm)[0].name, description.split(" -> ")[0], "stable", description)
+    def record_stable(node, original, description):
+        record(node, original, match(node, gm)[0].name, description.split(" -> ")[0], "stable",
+               description, "exact stable form: the naive form loses the value or overflows")
 
     if config.stable:
         _stable.apply(gm, gm, record_stable)
@@ -149,7 +182,7 @@ def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
         rule, sp = hit
         if not rule.guarded:
             if rule.safe:
-                record(node, rule.name, sp.name, "left", rule.reason)
+                record(node, node.name, rule.name, sp.name, "left", "", rule.reason)
             continue
         path, _ = module_path(node)
         why = None
@@ -162,9 +195,10 @@ def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
         if why is None:
             why = _static_non_float(node)
         if why is not None:
-            record(node, rule.name, sp.name, "left", why)
+            record(node, node.name, rule.name, sp.name, "left", "", why)
             continue
         guard = make_guard(rule, sp, config.consts(rule.name) if rule.constants else None)
+        original = node.name
         try:
             with graph.inserting_before(node):
                 args = node.args
@@ -180,15 +214,36 @@ def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
                 f"nanpass: could not rewrite {sp.name} at node {node.name!r}"
                 f"{' (' + frame[0] + ')' if frame else ''}: {e}"
             ) from e
-        record(new, rule.name, sp.name, "guarded", rule.action)
+        record(new, original, rule.name, sp.name, "guarded", rule.action, rule.reason)
     graph.lint()
     gm.recompile()
     return changes
 
 
+@dataclass(frozen=True)
+class GraphRecord:
+    """One captured graph and what the rewrite did to it, kept before any inner compiler
+    takes the graph (inductor mutates it)."""
+
+    capture: str  # "fx" | "dynamo"
+    code_before: str
+    code: str  # after the rewrite
+    changes: list[Change]
+    rewrite_s: float  # wall time of the pass
+    params: tuple = ()  # weak references to the parameters the graph reads (to find its model)
+
+
+def rewrite_and_record(gm: fx.GraphModule, config: Config, capture: str, example_inputs=()) -> GraphRecord:
+    t = time.perf_counter()
+    before = gm.code
+    changes = rewrite(gm, config)
+    params = tuple(weakref.ref(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
+    return GraphRecord(capture, before, gm.code, changes, time.perf_counter() - t, params)
+
+
 def summary(changes: list[Change]) -> str:
-    """One line: ``5 unsafe ops in 2 modules: 3 div, 2 log - 4 guarded, 1 stable form, 0 left``."""
-    done = [c for c in changes if c.action in ("guarded", "stable")]
+    """One line: ``5 unsafe ops in 2 modules: 3 div, 2 log — 4 guarded, 1 stable form, 0 left alone``."""
+    done = [c for c in changes if c.action in ("guarded", "stable") and not c.after_stable]
     left = [c for c in changes if c.action == "left"]
     counts: dict[str, int] = {}
     for c in done:
@@ -199,6 +254,6 @@ def summary(changes: list[Change]) -> str:
     stable = len(done) - guarded
     return (
         f"{len(done)} unsafe ops in {modules} module{'s' if modules != 1 else ''}"
-        f"{': ' + by_op if by_op else ''} - {guarded} guarded, {stable} stable form"
+        f"{': ' + by_op if by_op else ''} \u2014 {guarded} guarded, {stable} stable form"
         f"{'s' if stable != 1 else ''}, {len(left)} left alone"
     )

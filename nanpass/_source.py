@@ -10,7 +10,8 @@ import torch
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<code>[^\n]*)')
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _NANPASS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+_DYNAMO_ROOT = re.compile(r"^L(\[['\"][^'\"]+['\"]\]|\.\w+)\.?")
+_GETATTR = re.compile(r"getattr\(([^,()]+), '([^']*)'\)")
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 
 
@@ -36,6 +37,9 @@ def module_path(node) -> tuple[str, str]:
     if not stack:
         return "", ""
     path, cls = list(stack.values())[-1]
-    path = _DYNAMO_ROOT.sub("", str(path))
+    path = str(path)
+    while _GETATTR.search(path):  # getattr(L.s, '<odd name>') for names that are not identifiers
+        path = _GETATTR.sub(lambda m: f"{m.group(1)}.{m.group(2)}", path)
+    path = _DYNAMO_ROOT.sub("", path)
     path = _INDEX.sub(lambda m: "." + m.group(1), path).strip(".")
     return path, getattr(cls, "__name__", str(cls))

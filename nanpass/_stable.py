@@ -190,7 +190,7 @@ DESCRIPTIONS = (
 
 
 def apply(gm: fx.GraphModule, root, record: Callable) -> None:
-    """Rewrite every matching pattern in place; ``record(node, description)`` for each."""
+    """Rewrite every matching pattern in place; ``record(new node, old name, description)``."""
     graph = gm.graph
     for node in list(graph.nodes):
         kind = _rule(node, root)
@@ -208,9 +208,10 @@ def apply(gm: fx.GraphModule, root, record: Callable) -> None:
                 new = graph.call_function(target, args, kwargs)
                 new.meta = dict(node.meta)
                 made.append(new)
+        original = node.name
         node.replace_all_uses_with(made[-1])
         graph.erase_node(node)
-        record(made[-1], description)
+        record(made[-1], original, description)
         _erase_dead(graph, old_inputs, root)
 
 

@@ -1,0 +1,174 @@
+"""The ``nanpass`` command line: ``report`` and ``scan`` a model defined in a Python file.
+
+Both commands import (and so execute) the file you name, like ``python file.py`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import traceback
+
+import torch
+
+from ._report import _rel
+
+FORMATS = ("text", "md", "json", "html")
+
+EPILOG = """\
+The target is PATH:NAME, where NAME is an nn.Module class or a function returning a module;
+it is called with no arguments. nanpass imports PATH, which runs the code in it.
+
+exit status: 0 success; 1 unsafe ops found (scan --strict); 2 bad usage or a model that
+could not be built, run or captured.
+
+examples:
+  nanpass report examples/quickstart.py:TinyAttentionClassifier --inputs batch.pt
+  nanpass report model.py:build --input-shape 2,16 --format html -o report.html
+  nanpass scan model.py:Net --input-shape 8,3,32,32 --strict
+"""
+
+
+class CliError(Exception):
+    """One line for the user; the traceback only with --debug."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nanpass", description="Show what nanpass rewrites in a PyTorch model.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="{report,scan}")
+    for name, text in (("report", "harden the model and print the report of every change"),
+                       ("scan", "list the unsafe ops nanpass finds, without changing anything")):
+        c = sub.add_parser(name, help=text, description=text + ".", epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        c.add_argument("target", metavar="PATH:NAME", help="file and class or factory, e.g. model.py:Net")
+        src = c.add_mutually_exclusive_group()
+        src.add_argument("--input-shape", action="append", metavar="D,D,...",
+                         help="a random float input of this shape (repeat for several inputs)")
+        src.add_argument("--inputs", metavar="FILE",
+                         help="inputs saved with torch.save: a tensor, a tuple/list (positional) or "
+                         "a dict (keyword arguments); loaded with weights_only=True")
+        c.add_argument("--format", choices=FORMATS, default="text", help="output format (default text)")
+        c.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+        c.add_argument("--debug", action="store_true", help="show full tracebacks")
+        if name == "scan":
+            c.add_argument("--strict", action="store_true", help="exit 1 when any unsafe op is found")
+    return p
+
+
+def _load_target(target: str) -> torch.nn.Module:
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise CliError(f"nanpass: target must be PATH:NAME (e.g. model.py:Net), got {target!r}")
+    if not os.path.isfile(path):
+        raise CliError(f"nanpass: no such file: {path}")
+    spec = importlib.util.spec_from_file_location(f"nanpass_target_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise CliError(f"nanpass: importing {path} raised {type(e).__name__}: {e}") from e
+    finally:
+        sys.path.pop(0)
+    if not hasattr(module, name):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise CliError(f"nanpass: {path} has no attribute {name!r}; callables in it: {', '.join(names) or '(none)'}")
+    try:
+        model = getattr(module, name)()
+    except Exception as e:
+        raise CliError(f"nanpass: {name}() raised {type(e).__name__}: {e}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise CliError(f"nanpass: {name}() returned {type(model).__name__}, not a torch.nn.Module")
+    return model.eval()
+
+
+def _inputs(args) -> tuple[tuple, dict]:
+    if args.inputs:
+        if not os.path.isfile(args.inputs):
+            raise CliError(f"nanpass: no such inputs file: {args.inputs}")
+        try:
+            data = torch.load(args.inputs, weights_only=True)
+        except Exception as e:
+            raise CliError(f"nanpass: cannot load {args.inputs}: {type(e).__name__}: {e}") from e
+        if isinstance(data, dict):
+            return (), data
+        if isinstance(data, (tuple, list)):
+            return tuple(data), {}
+        return (data,), {}
+    shapes = []
+    for text in args.input_shape or ():
+        try:
+            shapes.append(tuple(int(d) for d in text.split(",")))
+        except ValueError:
+            raise CliError(f"nanpass: --input-shape takes comma-separated integers, got {text!r}") from None
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(s, generator=gen) for s in shapes), {}
+
+
+def _run(args) -> int:
+    import nanpass
+
+    model = _load_target(args.target)
+    call_args, call_kwargs = _inputs(args)
+    safe = nanpass.harden(model)
+    if call_args or call_kwargs or safe.capture == "pending":
+        try:
+            with torch.no_grad():
+                safe(*call_args, **call_kwargs)
+        except nanpass.NanpassError:
+            raise
+        except Exception as e:
+            hint = "" if call_args or call_kwargs else " (give inputs with --input-shape or --inputs)"
+            raise CliError(f"nanpass: running the model raised {type(e).__name__}: {e}{hint}") from e
+    report = nanpass.report(safe)
+    if args.command == "scan":
+        found = [c for c in report.changes if c.action != "left" and not c.after_stable]
+        if args.format == "text":
+            text = f"{len(found)} unsafe ops found in {report.model}\n" + "".join(
+                f"  {c.op:20} {c.spelling:28} {c.module or '<root>'}  {_rel(c.source) or ''}\n"
+                for c in found
+            )
+        else:
+            text = _format(report, args.format, color=False)
+        status = 1 if (args.strict and found) else 0
+    else:
+        text, status = None, 0
+    if text is None:
+        text = _format(report, args.format, color=args.output is None and sys.stdout.isatty())
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return status
+
+
+def _format(report, fmt: str, color: bool) -> str:
+    if fmt == "json":
+        return report.to_json()
+    if fmt == "md":
+        return report.to_markdown()
+    if fmt == "html":
+        return report.to_html()
+    return report.to_text(color=color)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (CliError, Exception) as e:
+        if args.debug:
+            traceback.print_exc()
+        message = str(e) if str(e).startswith("nanpass:") else f"nanpass: {type(e).__name__}: {e}"
+        print(message.splitlines()[0], file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

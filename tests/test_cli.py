@@ -1,0 +1,104 @@
+"""The nanpass command line, run as a user would: in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = pathlib.Path(sys.executable).parent / "nanpass"
+DEMO = "examples/report_demo.py:Model"
+
+
+def run(*args, script=False):
+    cmd = [str(SCRIPT)] if script else [sys.executable, "-m", "nanpass"]
+    res = subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return res.returncode, res.stdout, res.stderr
+
+
+def test_report_text_through_the_console_script():
+    code, out, err = run("report", DEMO, "--input-shape", "4,8", script=True)
+    assert code == 0, err
+    assert out.startswith("nanpass report: Model\n6 unsafe ops in 3 modules")
+    assert "examples/report_demo.py:33: h = (h - h.mean(0)) / spread" in out
+
+
+@pytest.mark.parametrize("fmt", ["json", "md", "html"])
+def test_report_formats_to_a_file(tmp_path, fmt):
+    out_file = tmp_path / f"report.{fmt}"
+    code, out, err = run("report", DEMO, "--format", fmt, "-o", str(out_file))
+    assert code == 0 and out == "", err
+    text = out_file.read_text()
+    if fmt == "json":
+        assert json.loads(text)["schema"] == "nanpass.report/1"
+    elif fmt == "html":
+        assert text.startswith("<!doctype html>") and 'class="line changed' in text
+    else:
+        assert text.startswith("# nanpass report: Model")
+
+
+def test_inputs_file_and_dynamo_capture(tmp_path):
+    inputs = tmp_path / "inputs.pt"
+    torch.save({"x": torch.rand(2, 4)}, inputs)
+    code, out, err = run("report", "tests/report_models.py:Branchy", "--inputs", str(inputs), "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert [g["capture"] for g in data["graphs"]] == ["dynamo", "dynamo"]  # the condition, then the branch
+    assert data["graphs"][1]["changes"][0]["source"] == "tests/report_models.py:41"
+
+
+def test_scan_strict_exit_codes():
+    code, out, _ = run("scan", DEMO)
+    assert code == 0 and out.startswith("6 unsafe ops found in Model")
+    code, _, _ = run("scan", DEMO, "--strict")
+    assert code == 1
+    code, out, _ = run("scan", "tests/report_models.py:Odd", "--format", "json", "--input-shape", "2,3")
+    assert code == 0 and json.loads(out)["model"] == "Odd"
+
+
+def _error(*args):
+    code, out, err = run(*args)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one clear line, no traceback
+    return lines[0]
+
+
+def test_errors_are_one_line(tmp_path):
+    assert _error("report", "nope.py:Model") == "nanpass: no such file: nope.py"
+    assert _error("report", "examples/report_demo.py:Nope").startswith(
+        "nanpass: examples/report_demo.py has no attribute 'Nope'; callables in it:")
+    assert _error("report", "examples/report_demo.py") .startswith("nanpass: target must be PATH:NAME")
+    bad = tmp_path / "bad.py"
+    bad.write_text("def build():\n    raise RuntimeError('no weights here')\n"
+                   "def thing():\n    return 3\n")
+    assert _error("report", f"{bad}:build") == "nanpass: build() raised RuntimeError: no weights here"
+    assert _error("report", f"{bad}:thing") == "nanpass: thing() returned int, not a torch.nn.Module"
+    assert _error("report", DEMO, "--input-shape", "4,x") == (
+        "nanpass: --input-shape takes comma-separated integers, got '4,x'")
+    assert _error("report", DEMO, "--input-shape", "3,5").startswith("nanpass: running the model raised RuntimeError")
+
+
+def test_uncapturable_model(tmp_path):
+    src = tmp_path / "opaque.py"
+    src.write_text(
+        "import torch\n"
+        "class Opaque(torch.nn.Module):\n"
+        "    @torch.compiler.disable\n"
+        "    def forward(self, x):\n"
+        "        return torch.log(x) if x.sum() > 0 else x\n"
+    )
+    line = _error("report", f"{src}:Opaque", "--input-shape", "3")
+    assert line.startswith("nanpass: could not capture Opaque.forward")
+    code, _, err = run("report", f"{src}:Opaque", "--input-shape", "3", "--debug")
+    assert code == 2 and "Traceback" in err
+
+
+def test_help_says_it_runs_the_file():
+    code, out, _ = run("report", "--help")
+    assert code == 0 and "imports PATH, which runs the code in it" in out

@@ -1,0 +1,132 @@
+"""The report: golden files, determinism, HTML escaping (in a real headless browser), and
+``nanpass.report`` on hardened, compiled and backend objects."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nanpass
+from tests.report_models import Broken, Odd
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden"
+UPDATE = os.environ.get("NANPASS_UPDATE_GOLDEN") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # source paths in reports are relative to the working directory
+
+
+def demo_report():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from report_demo import build
+    finally:
+        sys.path.pop(0)
+    safe = nanpass.harden(build())
+    return nanpass.report(safe)
+
+
+def broken_report():
+    torch.manual_seed(0)
+    model = Broken()
+    compiled = torch.compile(model, backend="nanpass", options={"inner": "eager"})
+    compiled(torch.rand(2, 4))
+    return nanpass.report(compiled)
+
+
+REPORTS = {"demo_fx": demo_report, "broken_backend": broken_report}
+FORMATS = {"txt": lambda r: r.to_text(color=False), "md": lambda r: r.to_markdown(), "json": lambda r: r.to_json()}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("name", list(REPORTS))
+def test_golden(name, fmt):
+    text = FORMATS[fmt](REPORTS[name]())
+    path = GOLDEN / f"{name}.{fmt}"
+    if UPDATE:
+        path.write_text(text)
+    assert text == path.read_text(), f"regenerate with NANPASS_UPDATE_GOLDEN=1 if intended: {path}"
+
+
+def test_deterministic():
+    a, b = demo_report(), demo_report()
+    assert a.to_json() == b.to_json() and a.to_html() == b.to_html() and a.to_text(False) == b.to_text(False)
+
+
+def test_graph_break_gives_one_section_per_graph():
+    report = broken_report()
+    assert [g.capture for g in report.graphs] == ["dynamo", "dynamo"]
+    assert [{c.op for c in g.changes if c.action == "guarded"} for g in report.graphs] == [
+        {"log", "div"}, {"log_softmax", "sqrt"}]
+    data = json.loads(report.to_json())
+    assert data["schema"] == "nanpass.report/1" and len(data["graphs"]) == 2
+    change = data["graphs"][0]["changes"][0]
+    assert change["source"] == "tests/report_models.py:19"  # the user's line, not torch's
+    assert change["module"] == "" and data["graphs"][1]["changes"][0]["module"] == "norm"
+    assert change["dtype"] == "float32" and change["constants"]["lo"] == torch.finfo().tiny
+
+
+def test_summary_line():
+    assert demo_report().summary() == (
+        "6 unsafe ops in 3 modules: 2 div, 1 log_softmax, 1 pow, 1 softmax, 1 sqrt \u2014 "
+        "5 guarded, 1 stable form, 1 left alone"
+    )
+
+
+def test_text_colour_only_when_asked():
+    report = demo_report()
+    assert "\033[" not in report.to_text(color=False)
+    assert "\033[32m" in report.to_text(color=True)
+
+
+def test_report_entry_points():
+    m = Broken()
+    with pytest.raises(nanpass.ReportError, match="^nanpass: no graph of Broken"):
+        nanpass.report(m)
+    with pytest.raises(TypeError, match="^nanpass: report\\(\\) takes"):
+        nanpass.report(3)
+    be = nanpass.backend(inner="eager")
+    torch.compile(m, backend=be)(torch.rand(2, 4))
+    assert len(nanpass.report(be).graphs) == 2
+
+
+def odd_html() -> str:
+    safe = nanpass.harden(Odd())
+    safe(torch.rand(2, 3))
+    return nanpass.report(safe).to_html()
+
+
+def test_html_escapes_user_strings():
+    page = odd_html()
+    assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "http://" not in page and "https://" not in page and "<link" not in page  # self-contained
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
+def test_html_in_a_real_browser(tmp_path):
+    page = tmp_path / "report.html"
+    page.write_text(odd_html())
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()]
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert "nanpass report: Odd" in dom
+    # the changed nodes are highlighted and link to their row in the list of rewrites
+    assert 'class="line changed guarded" id="g0-after-guard_softmax" href="#change-0-0"' in dom
+    assert 'id="change-0-0"' in dom
+    # the module named <script>alert(1)</script> is text, not an element
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in dom
+    assert "<script" not in dom
