@@ -14,6 +14,9 @@ from ._report import Report as Report
 from ._report import ReportError as ReportError
 from ._report import report as report
 from ._rewrite import Change as Change
+from ._shapes import ShapeError as ShapeError
+from ._shapes import ShapeTable as ShapeTable
+from ._shapes import check_shapes as check_shapes
 from ._rewrite import GraphRecord as GraphRecord
 from ._rewrite import summary as summary
 from ._rules import RULES as RULES

@@ -15,6 +15,10 @@ _GETATTR = re.compile(r"getattr\(([^,()]+), '([^']*)'\)")
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 
 
+def is_user_file(path: str) -> bool:
+    return not path.startswith((_TORCH_DIR, _NANPASS_DIR)) and not path.startswith("<")
+
+
 def user_frame(stack_trace: str | None) -> tuple[str, str] | None:
     """("file.py:12", "code line") of the last frame outside torch and nanpass."""
     if not stack_trace:

@@ -1,0 +1,235 @@
+"""Shape checks whose messages name the layer: a static check on fake tensors, and asserts
+inserted into the hardened graph from recorded example shapes.
+
+torch says ``mat1 and mat2 shapes cannot be multiplied (1x20 and 30x10)`` from deep inside
+``F.linear``; nanpass says ``shape mismatch entering fc2 (Linear, model.py:14): expected
+(*, 30), got (1, 20) — produced by fc1 (model.py:13)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from ._errors import CaptureError, NanpassError
+from ._source import is_user_file
+
+Tensor = torch.Tensor
+
+
+class ShapeError(NanpassError, ValueError):
+    """A tensor of the wrong shape; the message names the layer it entered and who made it."""
+
+
+# what a layer expects of its first input, by class: the one place layer shapes are described
+EXPECTED: dict[type, Callable[[nn.Module], str]] = {
+    nn.Linear: lambda m: f"(*, {m.in_features})",
+    nn.Bilinear: lambda m: f"(*, {m.in1_features})",
+    nn.Conv1d: lambda m: f"(N, {m.in_channels}, L) or ({m.in_channels}, L)",
+    nn.Conv2d: lambda m: f"(N, {m.in_channels}, H, W) or ({m.in_channels}, H, W)",
+    nn.Conv3d: lambda m: f"(N, {m.in_channels}, D, H, W) or ({m.in_channels}, D, H, W)",
+    nn.BatchNorm1d: lambda m: f"(N, {m.num_features}) or (N, {m.num_features}, L)",
+    nn.BatchNorm2d: lambda m: f"(N, {m.num_features}, H, W)",
+    nn.LayerNorm: lambda m: "(*, " + ", ".join(map(str, m.normalized_shape)) + ")",
+    nn.Embedding: lambda m: f"integer indices in [0, {m.num_embeddings})",
+    nn.MultiheadAttention: lambda m: (
+        f"(N, L, {m.embed_dim})" if m.batch_first else f"(L, N, {m.embed_dim})"),
+}
+
+
+def _expected(module: nn.Module) -> str | None:
+    for cls in type(module).__mro__:
+        if cls in EXPECTED:
+            return EXPECTED[cls](module)
+    return None
+
+
+def _shape(t) -> str:
+    if isinstance(t, Tensor):
+        return "(" + ", ".join(str(int(s)) if isinstance(s, int) else str(s) for s in t.shape) + ")"
+    return type(t).__name__
+
+
+def _caller() -> str | None:
+    """file:line of the innermost user frame on the current stack."""
+    for fr in reversed(traceback.extract_stack()):
+        if is_user_file(fr.filename):
+            return f"{fr.filename}:{fr.lineno}"
+    return None
+
+
+@dataclass
+class ShapeRow:
+    module: str
+    kind: str
+    source: str | None
+    inputs: list[str]
+    outputs: list[str]
+
+
+class ShapeTable:
+    """Per-module input and output shapes, as check_shapes saw them."""
+
+    def __init__(self, rows: list[ShapeRow]):
+        self.rows = rows
+
+    def __str__(self) -> str:
+        head = ("module", "type", "inputs", "outputs", "source")
+        body = [(r.module or "<root>", r.kind, " ".join(r.inputs), " ".join(r.outputs), r.source or "")
+                for r in self.rows]
+        widths = [max(len(x[i]) for x in [head, *body]) for i in range(5)]
+        fmt = "  ".join("{:%d}" % w for w in widths)
+        return "\n".join(fmt.format(*x).rstrip() for x in [head, *body]) + "\n"
+
+    def __repr__(self) -> str:
+        return f"<nanpass.ShapeTable {len(self.rows)} module calls>"
+
+
+class _Producers(TorchFunctionMode):
+    """Remembers which op (and source line) made each tensor, for 'produced by ...'."""
+
+    def __init__(self, tracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception:
+            if self.tracker.failed is None:  # the innermost op that raised
+                self.tracker.failed = (name, next(iter(_tensors((args, kwargs))), None), _caller())
+            raise
+        for t in _tensors(out):
+            self.tracker.made_by.setdefault(id(t), (f"{name} in {self.tracker.current() or '<root>'}", _caller()))
+        return out
+
+
+def _tensors(x):
+    if isinstance(x, Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+class _Tracker:
+    def __init__(self, model: nn.Module):
+        self.names = {m: n for n, m in model.named_modules()}
+        self.stack: list[tuple[nn.Module, str | None, tuple, int]] = []
+        self.rows: list[tuple[int, ShapeRow]] = []
+        self.calls = 0
+        self.made_by: dict[int, tuple[str, str | None]] = {}
+        self.keep: list = []  # keep tensors alive so their ids stay unique
+        self.failed: tuple[str, Tensor | None, str | None] | None = None  # op, operand, line
+
+    def current(self) -> str | None:
+        return self.names.get(self.stack[-1][0]) if self.stack else None
+
+    def pre(self, module, args, kwargs):
+        self.calls += 1
+        self.stack.append((module, _caller(), tuple(_tensors((args, kwargs))), self.calls))
+
+    def post(self, module, args, kwargs, out):
+        _, source, inputs, order = self.stack.pop()
+        name = self.names.get(module, "?")
+        self.rows.append((order, ShapeRow(name, type(module).__name__, source,
+                                          [_shape(t) for t in inputs], [_shape(t) for t in _tensors(out)])))
+        for t in _tensors(out):
+            self.made_by[id(t)] = (f"{name or '<root>'}", source)
+            self.keep.append(t)
+
+    def error(self, exc: Exception) -> ShapeError:
+        module, source, inputs, _ = self.stack[-1]
+        name = self.names.get(module, "?") or "<root>"
+        where = f"{name} ({type(module).__name__}{', ' + _short(source) if source else ''})"
+        got = inputs[0] if inputs else None
+        produced = ""
+        if got is not None and id(got) in self.made_by:
+            who, line = self.made_by[id(got)]
+            produced = f" \u2014 produced by {who}{' (' + _short(line) + ')' if line else ''}"
+        expected = _expected(module)
+        torch_says = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if expected is not None and got is not None:
+            return ShapeError(f"nanpass: shape mismatch entering {where}: expected {expected}, got "
+                              f"{_shape(got)}{produced} (torch: {torch_says})")
+        op, operand, op_line = self.failed or (None, got, _raising_line(exc))
+        produced = ""
+        if operand is not None and id(operand) in self.made_by:
+            who, line = self.made_by[id(operand)]
+            produced = f" produced by {who}{' (' + _short(line) + ')' if line else ''}"
+        at = f" at {_short(op_line)}" if op_line else ""
+        return ShapeError(f"nanpass: shape mismatch in {where}{at}{' (' + op + ')' if op else ''}: "
+                          f"{torch_says}; its input {_shape(operand)}{produced}")
+
+
+def _short(path: str | None) -> str:
+    if path is None:
+        return ""
+    file, _, line = path.rpartition(":")
+    return f"{os.path.basename(file)}:{line}"
+
+
+def _raising_line(exc: Exception) -> str | None:
+    found = None
+    for fr in traceback.extract_tb(exc.__traceback__):
+        if is_user_file(fr.filename):
+            found = f"{fr.filename}:{fr.lineno}"
+    return found
+
+
+def check_shapes(model: nn.Module, *example_inputs, **example_kwargs) -> ShapeTable:
+    """Run ``model`` on fake tensors (shapes and dtypes only, no real compute) and return the
+    per-module shapes, or raise ShapeError naming the layer where a shape first goes wrong.
+
+    >>> import torch, nanpass
+    >>> m = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(30, 10))
+    >>> nanpass.check_shapes(m, torch.randn(1, 10))
+    Traceback (most recent call last):
+    ...
+    nanpass._shapes.ShapeError: nanpass: shape mismatch entering 1 (Linear): expected (*, 30), got (1, 20) — produced by 0 (torch: mat1 and mat2 shapes cannot be multiplied (1x20 and 30x10))
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tracker = _Tracker(model)
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(tracker.pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(tracker.post, with_kwargs=True))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # it logs every failing meta kernel; we raise our own
+    try:
+        with mode:
+            fake_args = [mode.from_tensor(a) if isinstance(a, Tensor) else a for a in example_inputs]
+            fake_kwargs = {k: mode.from_tensor(v) if isinstance(v, Tensor) else v
+                           for k, v in example_kwargs.items()}
+        with mode, _Producers(tracker):
+            model(*fake_args, **fake_kwargs)
+    except (RuntimeError, ValueError, IndexError, AssertionError) as e:
+        if isinstance(e, NanpassError) or not tracker.stack:
+            raise
+        if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
+            raise CaptureError(
+                f"nanpass: check_shapes cannot follow data-dependent control flow in "
+                f"{tracker.current() or type(model).__name__} ({e.__class__.__name__}); "
+                "run the model on real inputs instead"
+            ) from e
+        raise tracker.error(e) from e
+    finally:
+        quiet.setLevel(level)
+        for h in handles:
+            h.remove()
+    return ShapeTable([row for _, row in sorted(tracker.rows, key=lambda r: r[0])])
+
