@@ -14,12 +14,12 @@ from ._report import Report as Report
 from ._report import ReportError as ReportError
 from ._report import report as report
 from ._rewrite import Change as Change
-from ._shapes import ShapeError as ShapeError
-from ._shapes import ShapeTable as ShapeTable
-from ._shapes import check_shapes as check_shapes
 from ._rewrite import GraphRecord as GraphRecord
 from ._rewrite import summary as summary
 from ._rules import RULES as RULES
 from ._rules import Rule as Rule
+from ._shapes import ShapeError as ShapeError
+from ._shapes import ShapeTable as ShapeTable
+from ._shapes import check_shapes as check_shapes
 
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from collections.abc import Iterable, Mapping
 
@@ -12,8 +13,9 @@ import torch.fx as fx
 from . import _capture
 from ._backend import compile_graph
 from ._config import Config, make_config
-from ._errors import CaptureError, NanpassTypeError
+from ._errors import CaptureError, ConfigError, NanpassTypeError
 from ._rewrite import Change, GraphRecord, rewrite_and_record, summary
+from ._shapes import insert_asserts, record_shapes
 
 
 class Hardened(torch.nn.Module):
@@ -21,7 +23,7 @@ class Hardened(torch.nn.Module):
     same registries), so ``state_dict`` keys, optimizers and ``.to()`` carry over; only the
     forward differs. Use ``nanpass.harden`` to make one."""
 
-    def __init__(self, model: torch.nn.Module, config: Config):
+    def __init__(self, model: torch.nn.Module, config: Config, shapes=None):
         super().__init__()
         d = self.__dict__
         for registry in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
@@ -33,8 +35,11 @@ class Hardened(torch.nn.Module):
         d["_nanpass_fx_error"] = None  # why fx could not trace (then dynamo captures)
         d["_nanpass_dynamo"] = None
         d["_nanpass_graphs"] = []  # dynamo: a GraphRecord per captured graph
+        d["_nanpass_shapes"] = shapes  # (examples, dynamic dims) when shape_checks=True
         self.training = model.training
-        if config.mode != "off":
+        if shapes is not None:
+            self._check_shapes_setup(*shapes)
+        elif config.mode != "off":
             try:
                 key = _capture.default_key(self._nanpass_sig, model.training)
             except _capture.Unkeyable as e:
@@ -57,6 +62,27 @@ class Hardened(torch.nn.Module):
         entry = (gm, _capture.runner(self._nanpass_model, gm), record)
         self._nanpass_fx[key] = entry
         return entry
+
+    def _check_shapes_setup(self, examples, dynamic):
+        """Trace the examples' call now, record every value's shape, insert the asserts."""
+        key, bound = _capture.call_key(self._nanpass_sig, self.training, examples[0], {})
+        entry = self._fx_entry(key)
+        if entry is None:
+            raise CaptureError(
+                f"nanpass: shape_checks needs a torch.fx graph, and fx cannot trace "
+                f"{type(self._nanpass_model).__name__} ({self._nanpass_fx_error}); "
+                "use nanpass.check_shapes(model, *inputs) for a static check instead"
+            )
+        gm, run, record = entry
+        names = list(self._nanpass_sig.parameters)
+        calls = []
+        for ex in examples:
+            _, b = _capture.call_key(self._nanpass_sig, self.training, ex, {})
+            calls.append(tuple(b.arguments[n] for n in names if n in b.arguments))
+        expected = record_shapes(gm, calls, dynamic)
+        asserts = insert_asserts(gm, expected)
+        record = dataclasses.replace(record, code=gm.code, asserts=tuple(asserts))
+        self._nanpass_fx[key] = (gm, _capture.runner(self._nanpass_model, gm), record)
 
     def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
         return compile_graph(gm, example_inputs, self._nanpass_config, "eager", self._nanpass_graphs.append)
@@ -116,7 +142,8 @@ class Hardened(torch.nn.Module):
             return getattr(self.__dict__["_nanpass_model"], name)
 
     def __deepcopy__(self, memo):
-        return Hardened(copy.deepcopy(self._nanpass_model, memo), self._nanpass_config)
+        return Hardened(copy.deepcopy(self._nanpass_model, memo), self._nanpass_config,
+                        self._nanpass_shapes)
 
     def __repr__(self) -> str:
         return f"nanpass.{super().__repr__()}\n\n# rewritten forward\n{self.code}"
@@ -175,6 +202,9 @@ def harden(
     exclude: Iterable[str] = (),
     constants: Mapping[str, Mapping[str, float]] | None = None,
     stable: bool = True,
+    example_inputs=None,
+    shape_checks: bool = False,
+    dynamic_dims: Mapping[int, str] | None = None,
 ) -> Hardened:
     """Return ``model`` with every numerically unsafe op guarded, forward and backward.
 
@@ -186,6 +216,11 @@ def harden(
     ``ops`` / ``exclude_ops`` pick guarded ops by rule name (``nanpass.RULES``); ``exclude``
     leaves modules alone by path (``"encoder.layers.0"``); ``constants`` tightens a guard's
     bounds (``{"log": {"lo": 1e-6}}``); ``mode="off"`` runs the original forward.
+
+    ``shape_checks=True`` records the shape of every intermediate value from
+    ``example_inputs`` (the positional arguments of one call, or a list of such tuples) and
+    inserts asserts that name the layer a wrongly shaped tensor enters. Dims that differ between
+    examples, or that ``dynamic_dims`` declares on the inputs (default ``{0: "batch"}``), are free.
     """
     if isinstance(model, Hardened):
         model = model.original
@@ -203,4 +238,33 @@ def harden(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
         stable=stable, module_paths=[name for name, _ in model.named_modules()],
     )
-    return Hardened(model, config)
+    shapes = None
+    if shape_checks:
+        shapes = (_examples(example_inputs), _dynamic(dynamic_dims))
+    elif example_inputs is not None or dynamic_dims is not None:
+        raise ConfigError("nanpass: example_inputs and dynamic_dims are for shape_checks=True; "
+                          "pass shape_checks=True, or leave them out")
+    return Hardened(model, config, shapes)
+
+
+def _examples(example_inputs) -> list[tuple]:
+    if example_inputs is None:
+        raise ConfigError("nanpass: shape_checks=True needs example_inputs: the positional "
+                          "arguments of one call, e.g. example_inputs=(x,), or a list of them")
+    if isinstance(example_inputs, torch.Tensor):
+        return [(example_inputs,)]
+    if isinstance(example_inputs, list) and all(isinstance(e, tuple) for e in example_inputs):
+        return list(example_inputs)
+    if isinstance(example_inputs, tuple):
+        return [example_inputs]
+    raise ConfigError(f"nanpass: example_inputs must be a tensor, a tuple of arguments or a list "
+                      f"of tuples, got {type(example_inputs).__name__}")
+
+
+def _dynamic(dynamic_dims) -> dict[int, str]:
+    if dynamic_dims is None:
+        return {0: "batch"}
+    if not isinstance(dynamic_dims, Mapping) or not all(isinstance(k, int) for k in dynamic_dims):
+        raise ConfigError(f"nanpass: dynamic_dims maps dim index to a name, e.g. "
+                          f"{{0: 'batch', 1: 'seq'}}, got {dynamic_dims!r}")
+    return dict(dynamic_dims)

@@ -72,6 +72,11 @@ class Report:
                     "index": i,
                     "capture": g.capture,
                     "changes": [_change_dict(c) for c in g.changes],
+                    "asserts": [
+                        {"node": a.node, "shape": [d if isinstance(d, int) else None for d in a.shape],
+                         "entering": a.entering, "produced_by": a.produced_by}
+                        for a in g.asserts
+                    ],
                     "code_before": g.code_before.strip() + "\n",
                     "code_after": g.code.strip() + "\n",
                 }
@@ -104,6 +109,9 @@ class Report:
                 if c.constants:
                     consts = ", ".join(f"{k}={_fmt(v)}" for k, v in c.constants)
                     lines.append(f"      constants ({c.dtype}): {consts}")
+            if g.asserts:
+                lines.append(f"  {len(g.asserts)} shape asserts:")
+                lines.extend(f"    {a.node:24} {a.shape_text():20} entering {a.entering}" for a in g.asserts)
             lines.append("")
         return "\n".join(lines).rstrip() + "\n"
 
@@ -128,6 +136,12 @@ class Report:
                 consts = f"{c.dtype}: {consts}" if consts else ""
                 out.append(f"| {c.action} | {c.op} | `{_md(c.spelling)}` | {module} | {source} | {text} | {consts} |")
             out.append("")
+            if g.asserts:
+                out.append("| shape assert | enforces | entering | produced by |")
+                out.append("|---|---|---|---|")
+                out.extend(f"| `{a.node}` | `{a.shape_text()}` | {_md(a.entering)} | {_md(a.produced_by)} |"
+                           for a in g.asserts)
+                out.append("")
         return "\n".join(out)
 
     # -- html ----------------------------------------------------------------------------------
@@ -159,6 +173,12 @@ class Report:
                     f"<td>{text}</td><td>{consts}</td></tr>"
                 )
             parts.append("</tbody></table>")
+            if g.asserts:
+                parts.append('<table class="changes asserts"><thead><tr><th>shape assert</th><th>enforces</th>'
+                             "<th>entering</th><th>produced by</th></tr></thead><tbody>")
+                parts.extend(f"<tr><td><code>{e(a.node)}</code></td><td><code>{e(a.shape_text())}</code></td>"
+                             f"<td>{e(a.entering)}</td><td>{e(a.produced_by)}</td></tr>" for a in g.asserts)
+                parts.append("</tbody></table>")
             before = {c.original: (f"change-{i}-{k}", c.action) for k, c in enumerate(g.changes)}
             after = {c.node: (f"change-{i}-{k}", c.action) for k, c in enumerate(g.changes) if c.node}
             parts.append('<div class="diff">')

@@ -231,6 +231,7 @@ class GraphRecord:
     changes: list[Change]
     rewrite_s: float  # wall time of the pass
     params: tuple = ()  # weak references to the parameters the graph reads (to find its model)
+    asserts: tuple = ()  # ShapeAsserts inserted into the graph
 
 
 def rewrite_and_record(gm: fx.GraphModule, config: Config, capture: str, example_inputs=()) -> GraphRecord:

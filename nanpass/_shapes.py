@@ -85,7 +85,7 @@ class ShapeTable:
         body = [(r.module or "<root>", r.kind, " ".join(r.inputs), " ".join(r.outputs), r.source or "")
                 for r in self.rows]
         widths = [max(len(x[i]) for x in [head, *body]) for i in range(5)]
-        fmt = "  ".join("{:%d}" % w for w in widths)
+        fmt = "  ".join(f"{{:{w}}}" for w in widths)
         return "\n".join(fmt.format(*x).rstrip() for x in [head, *body]) + "\n"
 
     def __repr__(self) -> str:
@@ -233,3 +233,128 @@ def check_shapes(model: nn.Module, *example_inputs, **example_kwargs) -> ShapeTa
             h.remove()
     return ShapeTable([row for _, row in sorted(tracker.rows, key=lambda r: r[0])])
 
+
+
+# -- recorded shapes and the asserts that enforce them ------------------------------------
+
+
+@dataclass(frozen=True)
+class ShapeAssert:
+    """One assert inserted into a graph: the value it checks and the shape it enforces."""
+
+    node: str  # the checked value's node
+    shape: tuple  # ints are enforced; names ("batch") and None ("*") are free
+    entering: str  # the consumer, for the message: "fc2 (Linear, model.py:14)"
+    produced_by: str  # "fc1 (model.py:13)" or "input x"
+
+    def shape_text(self) -> str:
+        return "(" + ", ".join("*" if d is None else str(d) for d in self.shape) + ")"
+
+
+def _format_expected(shape: tuple) -> str:
+    return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
+
+
+def check_shape(t, expected: tuple, entering: str, produced_by: str) -> None:
+    """The inserted assert. Under torch.compile with static shapes it is decided while tracing
+    and leaves nothing in the compiled graph."""
+    if not isinstance(t, Tensor):
+        return
+    shape = t.shape
+    ok = len(shape) == len(expected) and all(
+        not isinstance(e, int) or s == e for s, e in zip(shape, expected, strict=False))
+    if not ok:
+        raise ShapeError(f"nanpass: shape mismatch entering {entering}: expected "
+                         f"{_format_expected(expected)}, got {_shape(t)} \u2014 produced by {produced_by}")
+
+
+check_shape.__module__ = "nanpass"
+
+
+def _describe(node, gm) -> str:
+    from ._source import module_path, user_frame
+
+    path, cls = module_path(node)
+    if node.op == "call_module":
+        cls = type(gm.get_submodule(path)).__name__
+    frame = user_frame(node.meta.get("stack_trace"))
+    line = _short(frame[0]) if frame else None
+    if node.op == "call_module" or path:
+        return f"{path or '<root>'} ({', '.join(x for x in (cls, line) if x)})"
+    op = getattr(node.target, "__name__", str(node.target))
+    return f"{op}{' (' + line + ')' if line else ''}"
+
+
+def _merge(shapes: list[tuple]) -> tuple | None:
+    if len({len(s) for s in shapes}) != 1:
+        return None
+    return tuple(s[0] if all(x == s[0] for x in s) else None for s in zip(*shapes, strict=True))
+
+
+def record_shapes(gm, examples: list[tuple], dynamic: dict[int, str]) -> dict[str, tuple]:
+    """Shape of every tensor value in ``gm`` over the examples, run on fake tensors; a dim that
+    differs between examples (or is declared dynamic on an input) is free (None)."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, Tensor):
+                self.shapes[n.name] = tuple(int(s) for s in out.shape)
+            return out
+
+    runs: list[dict[str, tuple]] = []
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    for example in examples:
+        variants = [example]
+        if dynamic:  # the same call with every declared dynamic dim one larger
+            variants.append(tuple(
+                torch.zeros([s + 1 if i in dynamic else s for i, s in enumerate(a.shape)], dtype=a.dtype)
+                if isinstance(a, Tensor) else a for a in example))
+        for args in variants:
+            rec = Recorder(gm)
+            rec.shapes = {}
+            try:
+                with mode:
+                    fake = [mode.from_tensor(a) if isinstance(a, Tensor) else a for a in args]
+                    rec.run(*fake)
+            except Exception:
+                if args is example:
+                    raise
+                continue  # the model does not accept the perturbed size: inputs only
+            runs.append(rec.shapes)
+    merged = {}
+    for name in runs[0]:
+        shapes = [r[name] for r in runs if name in r]
+        m = _merge(shapes)
+        if m is not None:
+            merged[name] = m
+    for n in gm.graph.nodes:  # declared dims of the inputs are free even if the model resists
+        if n.op == "placeholder" and n.name in merged:
+            merged[n.name] = tuple(None if i in dynamic else d for i, d in enumerate(merged[n.name]))
+    return merged
+
+
+def insert_asserts(gm, expected: dict[str, tuple]) -> list[ShapeAssert]:
+    """One assert per tensor value, right after it is made, before its first use."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    last_input = max((n for n in nodes if n.op == "placeholder"), key=order.get, default=None)
+    asserts = []
+    for node in nodes:
+        shape = expected.get(node.name)
+        if shape is None or not node.users or all(d is None for d in shape):
+            continue
+        first_user = min(node.users, key=order.get)
+        entering = _describe(first_user, gm)
+        produced = f"input {node.target}" if node.op == "placeholder" else _describe(node, gm)
+        where = last_input if node.op == "placeholder" else node  # inputs are checked together
+        with graph.inserting_after(where):
+            check = graph.call_function(check_shape, (node, shape, entering, produced))
+        check.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+        asserts.append(ShapeAssert(node.name, shape, entering, produced))
+    graph.lint()
+    gm.recompile()
+    return asserts
