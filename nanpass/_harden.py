@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -13,9 +14,17 @@ import torch.fx as fx
 from . import _capture
 from ._backend import compile_graph
 from ._config import Config, make_config
-from ._errors import CaptureError, ConfigError, NanpassTypeError
+from ._errors import CaptureError, ConfigError, NanpassError, NanpassTypeError
 from ._rewrite import Change, GraphRecord, rewrite_and_record, summary
-from ._shapes import insert_asserts, record_shapes
+from ._shapes import (
+    check_shapes,
+    compare_shapes,
+    graph_key,
+    graph_shapes,
+    insert_asserts,
+    merge_shapes,
+    record_shapes,
+)
 
 
 class Hardened(torch.nn.Module):
@@ -67,13 +76,20 @@ class Hardened(torch.nn.Module):
         """Trace the examples' call now, record every value's shape, insert the asserts."""
         key, bound = _capture.call_key(self._nanpass_sig, self.training, examples[0], {})
         entry = self._fx_entry(key)
-        if entry is None:
-            raise CaptureError(
-                f"nanpass: shape_checks needs a torch.fx graph, and fx cannot trace "
-                f"{type(self._nanpass_model).__name__} ({self._nanpass_fx_error}); "
-                "use nanpass.check_shapes(model, *inputs) for a static check instead"
-            )
-        gm, run, record = entry
+        if entry is None:  # dynamo: record shapes from the examples' own compiles
+            self.__dict__["_nanpass_expected"] = {}
+            self.__dict__["_nanpass_recording"] = True
+            try:
+                with torch.no_grad():
+                    for ex in examples:
+                        self._dynamo_call(ex, {})
+                        if dynamic:  # again with every declared dim one larger: what varies is free
+                            with contextlib.suppress(Exception):  # unless the model refuses that size
+                                self._dynamo_call(_grown(ex, dynamic), {})
+            finally:
+                self.__dict__["_nanpass_recording"] = False
+            return
+        gm, _, record = entry
         names = list(self._nanpass_sig.parameters)
         calls = []
         for ex in examples:
@@ -85,7 +101,21 @@ class Hardened(torch.nn.Module):
         self._nanpass_fx[key] = (gm, _capture.runner(self._nanpass_model, gm), record)
 
     def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
-        return compile_graph(gm, example_inputs, self._nanpass_config, "eager", self._nanpass_graphs.append)
+        expected = self.__dict__.get("_nanpass_expected")
+        if expected is None:
+            return compile_graph(gm, example_inputs, self._nanpass_config, "eager", self._nanpass_graphs.append)
+        key, shapes = graph_key(gm), graph_shapes(gm)
+        if key not in expected:
+            expected[key] = shapes
+        elif self.__dict__.get("_nanpass_recording"):  # another example: what differs is free
+            expected[key] = merge_shapes(expected[key], shapes)
+        else:
+            compare_shapes(gm, expected[key])  # a recompile for a new static shape
+        compiled = compile_graph(gm, example_inputs, self._nanpass_config, "eager", self._nanpass_graphs.append)
+        asserts = insert_asserts(gm, graph_shapes(gm))
+        self._nanpass_graphs[-1] = dataclasses.replace(self._nanpass_graphs[-1], code=gm.code,
+                                                       asserts=tuple(asserts))
+        return compiled
 
     def _dynamo_call(self, args, kwargs):
         if torch.compiler.is_compiling():
@@ -102,7 +132,18 @@ class Hardened(torch.nn.Module):
             self.__dict__["_nanpass_dynamo"] = torch.compile(
                 self._nanpass_model, backend=self._dynamo_backend
             )
-        out = self._nanpass_dynamo(*args, **kwargs)
+        try:
+            out = self._nanpass_dynamo(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, NanpassError):  # ours, raised while compiling: show it plainly
+                raise inner.with_traceback(None) from None
+            raise
+        except torch._dynamo.exc.TorchRuntimeError as e:
+            # a shape error while dynamo traced the new shapes: name the layer, if shapes are checked
+            if self.__dict__.get("_nanpass_expected") is not None:
+                check_shapes(self._nanpass_model, *args, **kwargs)
+            raise e
         if not self._nanpass_graphs:
             fn = type(self._nanpass_model).forward
             code = getattr(fn, "__code__", None)
@@ -245,6 +286,12 @@ def harden(
         raise ConfigError("nanpass: example_inputs and dynamic_dims are for shape_checks=True; "
                           "pass shape_checks=True, or leave them out")
     return Hardened(model, config, shapes)
+
+
+def _grown(example: tuple, dynamic) -> tuple:
+    return tuple(
+        torch.zeros([d + 1 if i in dynamic else d for i, d in enumerate(a.shape)], dtype=a.dtype)
+        if isinstance(a, torch.Tensor) else a for a in example)
 
 
 def _examples(example_inputs) -> list[tuple]:

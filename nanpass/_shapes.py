@@ -358,3 +358,47 @@ def insert_asserts(gm, expected: dict[str, tuple]) -> list[ShapeAssert]:
     graph.lint()
     gm.recompile()
     return asserts
+
+
+def graph_shapes(gm) -> dict[str, tuple]:
+    """Shapes dynamo recorded on each node (``example_value``); a symbolic dim is free (None)."""
+    shapes = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        if isinstance(v, Tensor):
+            shapes[n.name] = tuple(d if isinstance(d, int) else None for d in v.shape)
+    return shapes
+
+
+def graph_key(gm) -> tuple:
+    """Which frame a dynamo graph came from, stable across recompiles: its tensor inputs."""
+    return tuple(sorted(n.name for n in gm.graph.nodes
+                        if n.op == "placeholder" and isinstance(n.meta.get("example_value"), Tensor)))
+
+
+def merge_shapes(old: dict[str, tuple], new: dict[str, tuple]) -> dict[str, tuple]:
+    out = {}
+    for name, a in old.items():
+        b = new.get(name)
+        if b is not None and len(a) == len(b):
+            out[name] = tuple(x if x == y else None for x, y in zip(a, b, strict=True))
+    return out
+
+
+def compare_shapes(gm, expected: dict[str, tuple]) -> None:
+    """Raise ShapeError at the first value whose recorded static shape no longer holds (dynamo
+    recompiles on a new static shape, and marks a dim that keeps changing dynamic)."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        want = expected.get(n.name)
+        if want is None or not isinstance(v, Tensor) or not n.users:
+            continue
+        got = tuple(v.shape)
+        bad = len(got) != len(want) or any(
+            isinstance(w, int) and (not isinstance(g, int) or g != w) for g, w in zip(got, want, strict=False))
+        if bad:
+            user = min(n.users, key=list(gm.graph.nodes).index)
+            produced = f"input {n.name}" if n.op == "placeholder" else _describe(n, gm)
+            raise ShapeError(
+                f"nanpass: shape mismatch entering {_describe(user, gm)}: expected "
+                f"{_format_expected(want)}, got {_shape(v)} \u2014 produced by {produced}")

@@ -158,3 +158,28 @@ def test_random_stacks_name_the_wrong_layer(widths, data):
         nanpass.check_shapes(model, torch.randn(2, widths[0]))
     assert str(e.value).startswith(f"nanpass: shape mismatch entering {bad} (Linear")
     assert f"expected (*, {widths[bad] + 1}), got (2, {widths[bad]})" in str(e.value)
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: fx cannot trace it, so dynamo captures it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:
+            return torch.log(h)
+        return torch.sqrt(h)
+
+
+def test_dynamo_captured_model_checks_shapes_too():
+    safe = nanpass.harden(Branchy(), example_inputs=(torch.randn(2, 5, 16),), shape_checks=True,
+                          dynamic_dims={0: "batch", 1: "seq"})
+    assert safe.capture == "dynamo"
+    assert safe(torch.randn(3, 7, 16)).shape == (3, 7, 8)
+    with pytest.raises(nanpass.ShapeError, match=r"^nanpass: shape mismatch entering fc \(Linear, test_shapes.py:\d+\): "
+                                                 r"expected \(\*, 16\), got \(3, 7, 15\)"):
+        safe(torch.randn(3, 7, 15))
+    assert any(g.asserts for g in nanpass.report(safe).graphs)
