@@ -8,6 +8,7 @@ Registered only through the ``torch_dynamo_backends`` entry point (pyproject.tom
 from __future__ import annotations
 
 import collections
+import dataclasses
 import weakref
 from collections.abc import Callable
 
@@ -17,8 +18,10 @@ import torch.fx as fx
 from ._config import Config, make_config
 from ._errors import ConfigError
 from ._rewrite import Change, GraphRecord, rewrite_and_record
+from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
 
-OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inner")
+OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inner",
+           "shape_checks", "dynamic_dims")
 
 # every graph the backend compiled, in order, and the record of each compiled callable, so
 # nanpass.report(compiled_model) can find its own graphs through dynamo's cache
@@ -99,11 +102,29 @@ def compile_graph(
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
     record = rewrite_and_record(gm, config, "dynamo", example_inputs)
+    if config.shape_checks:
+        record = _shape_checks(gm, record, config)
     (keep or _COMPILED.append)(record)
     compiled = _inner(inner or config.inner, gm, example_inputs)
     if _hashable(compiled):
         _BY_CALLABLE[compiled] = record
     return compiled
+
+
+# the shapes each graph had when first compiled, by model (its parameters) and frame
+_FIRST_SHAPES: dict[tuple, dict[str, tuple]] = {}
+
+
+def _shape_checks(gm: fx.GraphModule, record: GraphRecord, config: Config) -> GraphRecord:
+    """Enforce the first compile's shapes: dynamo recompiles on a new static shape, and the
+    recompile is compared here (so nothing runs per call). A symbolic dim is free when its
+    symbols come only from declared dynamic dims of the inputs."""
+    key = (graph_key(gm), tuple(id(r()) for r in record.params))
+    first = _FIRST_SHAPES.setdefault(key, graph_shapes(gm))
+    if first is not None:
+        compare_shapes(gm, first, dict(config.dynamic_dims))
+    asserts = insert_asserts(gm, graph_shapes(gm))
+    return dataclasses.replace(record, code=gm.code, asserts=tuple(asserts))
 
 
 class Backend:

@@ -51,6 +51,8 @@ class Config:
     constants: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
     stable: bool = True  # apply the exact stable-form rewrites
     inner: str = "inductor"  # backend only
+    shape_checks: bool = False  # backend: shapes of the first compile are enforced on recompiles
+    dynamic_dims: tuple[tuple[int, str], ...] = ((0, "batch"),)
 
     def excluded(self, module_path: str) -> bool:
         return any(module_path == p or module_path.startswith(p + ".") for p in self.exclude)
@@ -89,6 +91,16 @@ def _consts_fn(op: str, overrides: tuple[tuple[str, float], ...]):
     return for_dtype
 
 
+def dynamic_dims_of(dynamic_dims) -> dict[int, str]:
+    """Dims of the inputs that may vary; dim 0 (the batch) unless told otherwise."""
+    if dynamic_dims is None:
+        return {0: "batch"}
+    if not isinstance(dynamic_dims, Mapping) or not all(isinstance(k, int) for k in dynamic_dims):
+        raise ConfigError(f"nanpass: dynamic_dims maps dim index to a name, e.g. "
+                          f"{{0: 'batch', 1: 'seq'}}, got {dynamic_dims!r}")
+    return {int(k): str(v) for k, v in dynamic_dims.items()}
+
+
 def make_config(
     *,
     mode: str = "guard",
@@ -98,6 +110,8 @@ def make_config(
     constants: Mapping[str, Mapping[str, float]] | None = None,
     stable: bool = True,
     inner: str = "inductor",
+    shape_checks: bool = False,
+    dynamic_dims: Mapping[int, str] | None = None,
     module_paths: Iterable[str] | None = None,
 ) -> Config:
     if mode not in MODES:
@@ -150,5 +164,7 @@ def make_config(
         exclude=paths,
         constants=tuple(sorted(consts)),
         stable=bool(stable),
+        shape_checks=bool(shape_checks),
+        dynamic_dims=tuple(sorted(dynamic_dims_of(dynamic_dims).items())),
         inner=inner,
     )

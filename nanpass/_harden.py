@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from . import _capture
 from ._backend import compile_graph
-from ._config import Config, make_config
+from ._config import Config, dynamic_dims_of, make_config
 from ._errors import CaptureError, ConfigError, NanpassError, NanpassTypeError
 from ._rewrite import Change, GraphRecord, rewrite_and_record, summary
 from ._shapes import (
@@ -281,7 +281,7 @@ def harden(
     )
     shapes = None
     if shape_checks:
-        shapes = (_examples(example_inputs), _dynamic(dynamic_dims))
+        shapes = (_examples(example_inputs), dynamic_dims_of(dynamic_dims))
     elif example_inputs is not None or dynamic_dims is not None:
         raise ConfigError("nanpass: example_inputs and dynamic_dims are for shape_checks=True; "
                           "pass shape_checks=True, or leave them out")
@@ -306,12 +306,3 @@ def _examples(example_inputs) -> list[tuple]:
         return [example_inputs]
     raise ConfigError(f"nanpass: example_inputs must be a tensor, a tuple of arguments or a list "
                       f"of tuples, got {type(example_inputs).__name__}")
-
-
-def _dynamic(dynamic_dims) -> dict[int, str]:
-    if dynamic_dims is None:
-        return {0: "batch"}
-    if not isinstance(dynamic_dims, Mapping) or not all(isinstance(k, int) for k in dynamic_dims):
-        raise ConfigError(f"nanpass: dynamic_dims maps dim index to a name, e.g. "
-                          f"{{0: 'batch', 1: 'seq'}}, got {dynamic_dims!r}")
-    return dict(dynamic_dims)

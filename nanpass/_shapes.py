@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -385,20 +386,49 @@ def merge_shapes(old: dict[str, tuple], new: dict[str, tuple]) -> dict[str, tupl
     return out
 
 
-def compare_shapes(gm, expected: dict[str, tuple]) -> None:
+def _free_symbols(gm, dynamic: dict[int, str]) -> set:
+    """Symbols of the graph inputs' declared dynamic dims: dims built from them may vary."""
+    free = set()
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        if n.op == "placeholder" and isinstance(v, Tensor):
+            for i, d in enumerate(v.shape):
+                if i in dynamic and not isinstance(d, int):
+                    free |= d.node.expr.free_symbols
+    return free
+
+
+def _same_dim(got, want, free) -> bool:
+    if not isinstance(want, int):
+        return True
+    if not isinstance(got, int):
+        symbols = got.node.expr.free_symbols
+        if symbols:
+            return free is not None and symbols <= free
+        got = int(got.node.expr)  # a symbolic int that is a constant
+    return got == want
+
+
+def compare_shapes(gm, expected: dict[str, tuple], dynamic: dict[int, str] | None = None) -> None:
     """Raise ShapeError at the first value whose recorded static shape no longer holds (dynamo
-    recompiles on a new static shape, and marks a dim that keeps changing dynamic)."""
+    recompiles on a new static shape, and marks a dim that keeps changing dynamic). With
+    ``dynamic``, a symbolic dim built only from declared dynamic input dims is allowed."""
+    free = _free_symbols(gm, dynamic) if dynamic is not None else None
     for n in gm.graph.nodes:
         v = n.meta.get("example_value")
         want = expected.get(n.name)
         if want is None or not isinstance(v, Tensor) or not n.users:
             continue
         got = tuple(v.shape)
-        bad = len(got) != len(want) or any(
-            isinstance(w, int) and (not isinstance(g, int) or g != w) for g, w in zip(got, want, strict=False))
+        bad = len(got) != len(want) or not all(
+            _same_dim(g, w, free) for g, w in zip(got, want, strict=False))
         if bad:
             user = min(n.users, key=list(gm.graph.nodes).index)
-            produced = f"input {n.name}" if n.op == "placeholder" else _describe(n, gm)
+            if n.op == "placeholder":  # dynamo names inputs L_x_: show x, and the declared dims
+                produced = "input " + re.sub(r"^[lL]_(.*)_$", r"\1", n.name)
+                want = tuple((dynamic or {}).get(i, d) for i, d in enumerate(want))
+            else:
+                produced = _describe(n, gm)
             raise ShapeError(
                 f"nanpass: shape mismatch entering {_describe(user, gm)}: expected "
                 f"{_format_expected(want)}, got {_shape(v)} \u2014 produced by {produced}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,6 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nanpass
+
+
+def line(fragment: str) -> int:
+    """The line of this file that holds ``fragment``: messages cite user source lines."""
+    for number, text in enumerate(pathlib.Path(__file__).read_text().splitlines(), 1):
+        if fragment in text and "line(" not in text:
+            return number
+    raise AssertionError(fragment)
 
 
 class TwoLinear(nn.Module):
@@ -63,8 +74,8 @@ def test_check_shapes_names_the_layer_without_running_a_matmul(monkeypatch):
     with pytest.raises(nanpass.ShapeError) as e:
         nanpass.check_shapes(TwoLinear(), torch.randn(1, 10))
     msg = str(e.value)
-    assert msg.startswith("nanpass: shape mismatch entering fc2 (Linear, test_shapes.py:22): "
-                          "expected (*, 30), got (1, 20) \u2014 produced by fc1 (test_shapes.py:21)")
+    assert msg.startswith(f"nanpass: shape mismatch entering fc2 (Linear, test_shapes.py:{line('return self.fc2(h)')}): "
+                          f"expected (*, 30), got (1, 20) \u2014 produced by fc1 (test_shapes.py:{line('h = self.fc1(x)')})")
     assert calls == []  # only fake tensors went through F.linear
 
 
@@ -87,12 +98,13 @@ def test_check_shapes_table():
 def test_wrong_flatten_size():
     with pytest.raises(nanpass.ShapeError) as e:
         nanpass.check_shapes(ConvNet(), torch.randn(2, 1, 28, 28))
-    assert "test_shapes.py:34 (reshape)" in str(e.value)
+    assert f"test_shapes.py:{line('h = h.reshape(h.shape[0], self.flat)')} (reshape)" in str(e.value)
     assert "its input (2, 4, 26, 26) produced by relu" in str(e.value)
 
 
 def test_wrong_head_count_in_a_model_fx_cannot_trace():
-    with pytest.raises(nanpass.ShapeError, match=r"in <root> \(Heads.*test_shapes.py:49 \(view\).*produced by chunk"):
+    where = line("q = q.view(b, t, self.heads, d // self.heads)")
+    with pytest.raises(nanpass.ShapeError, match=rf"in <root> \(Heads.*test_shapes.py:{where} \(view\).*produced by chunk"):
         nanpass.check_shapes(Heads(), torch.randn(2, 5, 32))
 
 
@@ -183,3 +195,36 @@ def test_dynamo_captured_model_checks_shapes_too():
                                                  r"expected \(\*, 16\), got \(3, 7, 15\)"):
         safe(torch.randn(3, 7, 15))
     assert any(g.asserts for g in nanpass.report(safe).graphs)
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x, t):
+        return (self.proj(x) - t) ** 2
+
+
+def _first_nanpass_error(e: BaseException):
+    while e is not None and not isinstance(e, nanpass.NanpassError):
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return e
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_backend_enforces_first_compile_shapes(inner):
+    be = nanpass.backend(inner=inner, shape_checks=True, dynamic_dims={0: "batch", 1: "seq"})
+    compiled = torch.compile(Residual(), backend=be)
+    assert compiled(torch.randn(2, 5, 16), torch.randn(2, 5, 1)).shape == (2, 5, 16)
+    # batch and sequence changes recompile with symbolic dims that come from declared dims: fine
+    assert compiled(torch.randn(3, 9, 16), torch.randn(3, 9, 1)).shape == (3, 9, 16)
+    # t's last dim 1 -> 16 broadcasts without complaint in torch; nanpass refuses the recompile
+    with pytest.raises(Exception) as e:
+        compiled(torch.randn(3, 9, 16), torch.randn(3, 9, 16))
+    err = _first_nanpass_error(e.value)
+    assert isinstance(err, nanpass.ShapeError), repr(e.value)
+    assert str(err).startswith("nanpass: shape mismatch entering sub (test_shapes.py:")
+    assert re.search(r"expected \(batch, seq, 1\), got \((s\d+, s\d+|3, 9), 16\) \u2014 produced by input t$",
+                     str(err)), str(err)
+    assert any(g.asserts for g in be.graphs)
