@@ -228,3 +228,23 @@ def test_backend_enforces_first_compile_shapes(inner):
     assert re.search(r"expected \(batch, seq, 1\), got \((s\d+, s\d+|3, 9), 16\) \u2014 produced by input t$",
                      str(err)), str(err)
     assert any(g.asserts for g in be.graphs)
+
+
+@given(channels=st.lists(st.integers(1, 6), min_size=3, max_size=5), data=st.data())
+def test_random_conv_stacks_name_the_wrong_layer(channels, data):
+    bad = data.draw(st.integers(1, len(channels) - 2))
+    layers = [nn.Conv2d(channels[i] + (2 if i == bad else 0), channels[i + 1], 3, padding=1)
+              for i in range(len(channels) - 1)]
+    with pytest.raises(nanpass.ShapeError) as e:
+        nanpass.check_shapes(nn.Sequential(*layers), torch.randn(2, channels[0], 8, 8))
+    assert str(e.value).startswith(f"nanpass: shape mismatch entering {bad} (Conv2d")
+    assert f"expected (N, {channels[bad] + 2}, H, W)" in str(e.value)
+    assert f"got (2, {channels[bad]}, 8, 8)" in str(e.value)
+
+
+def test_check_shapes_on_a_layer_fx_cannot_trace():
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    table = nanpass.check_shapes(layer, torch.randn(2, 7, 32))
+    assert table.rows[0].outputs == ["(2, 7, 32)"]
+    with pytest.raises(nanpass.ShapeError, match=r"entering self_attn \(MultiheadAttention.*expected \(N, L, 32\), got \(2, 7, 24\)"):
+        nanpass.check_shapes(layer, torch.randn(2, 7, 24))
