@@ -21,6 +21,7 @@ from ._shapes import (
     compare_shapes,
     graph_key,
     graph_shapes,
+    grown,
     insert_asserts,
     merge_shapes,
     record_shapes,
@@ -85,7 +86,7 @@ class Hardened(torch.nn.Module):
                         self._dynamo_call(ex, {})
                         if dynamic:  # again with every declared dim one larger: what varies is free
                             with contextlib.suppress(Exception):  # unless the model refuses that size
-                                self._dynamo_call(_grown(ex, dynamic), {})
+                                self._dynamo_call(grown(ex, dynamic), {})
             finally:
                 self.__dict__["_nanpass_recording"] = False
             return
@@ -286,12 +287,6 @@ def harden(
         raise ConfigError("nanpass: example_inputs and dynamic_dims are for shape_checks=True; "
                           "pass shape_checks=True, or leave them out")
     return Hardened(model, config, shapes)
-
-
-def _grown(example: tuple, dynamic) -> tuple:
-    return tuple(
-        torch.zeros([d + 1 if i in dynamic else d for i, d in enumerate(a.shape)], dtype=a.dtype)
-        if isinstance(a, torch.Tensor) else a for a in example)
 
 
 def _examples(example_inputs) -> list[tuple]:

@@ -292,6 +292,13 @@ def _merge(shapes: list[tuple]) -> tuple | None:
     return tuple(s[0] if all(x == s[0] for x in s) else None for s in zip(*shapes, strict=True))
 
 
+def grown(example: tuple, dynamic: dict[int, str]) -> tuple:
+    """The same call with every declared dynamic dim one larger: what follows it is free."""
+    return tuple(
+        torch.zeros([d + 1 if i in dynamic else d for i, d in enumerate(a.shape)], dtype=a.dtype)
+        if isinstance(a, Tensor) else a for a in example)
+
+
 def record_shapes(gm, examples: list[tuple], dynamic: dict[int, str]) -> dict[str, tuple]:
     """Shape of every tensor value in ``gm`` over the examples, run on fake tensors; a dim that
     differs between examples (or is declared dynamic on an input) is free (None)."""
@@ -309,10 +316,8 @@ def record_shapes(gm, examples: list[tuple], dynamic: dict[int, str]) -> dict[st
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     for example in examples:
         variants = [example]
-        if dynamic:  # the same call with every declared dynamic dim one larger
-            variants.append(tuple(
-                torch.zeros([s + 1 if i in dynamic else s for i, s in enumerate(a.shape)], dtype=a.dtype)
-                if isinstance(a, Tensor) else a for a in example))
+        if dynamic:
+            variants.append(grown(example, dynamic))
         for args in variants:
             rec = Recorder(gm)
             rec.shapes = {}
