@@ -46,6 +46,8 @@ class Hardened(torch.nn.Module):
         d["_nanpass_dynamo"] = None
         d["_nanpass_graphs"] = []  # dynamo: a GraphRecord per captured graph
         d["_nanpass_shapes"] = shapes  # (examples, dynamic dims) when shape_checks=True
+        d["_nanpass_expected"] = None  # dynamo + shape_checks: shapes per graph, by graph_key
+        d["_nanpass_recording"] = False  # while the examples run
         self.training = model.training
         if shapes is not None:
             self._check_shapes_setup(*shapes)
@@ -75,7 +77,7 @@ class Hardened(torch.nn.Module):
 
     def _check_shapes_setup(self, examples, dynamic):
         """Trace the examples' call now, record every value's shape, insert the asserts."""
-        key, bound = _capture.call_key(self._nanpass_sig, self.training, examples[0], {})
+        key, _ = _capture.call_key(self._nanpass_sig, self.training, examples[0], {})
         entry = self._fx_entry(key)
         if entry is None:  # dynamo: record shapes from the examples' own compiles
             self.__dict__["_nanpass_expected"] = {}
@@ -102,16 +104,16 @@ class Hardened(torch.nn.Module):
         self._nanpass_fx[key] = (gm, _capture.runner(self._nanpass_model, gm), record)
 
     def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
-        expected = self.__dict__.get("_nanpass_expected")
+        expected = self._nanpass_expected
         if expected is None:
             return compile_graph(gm, example_inputs, self._nanpass_config, "eager", self._nanpass_graphs.append)
         key, shapes = graph_key(gm), graph_shapes(gm)
         if key not in expected:
             expected[key] = shapes
-        elif self.__dict__.get("_nanpass_recording"):  # another example: what differs is free
+        elif self._nanpass_recording:  # another example: what differs is free
             expected[key] = merge_shapes(expected[key], shapes)
-        else:
-            compare_shapes(gm, expected[key])  # a recompile for a new static shape
+        else:  # a recompile for a new static shape
+            compare_shapes(gm, expected[key], self._nanpass_shapes[1])
         compiled = compile_graph(gm, example_inputs, self._nanpass_config, "eager", self._nanpass_graphs.append)
         asserts = insert_asserts(gm, graph_shapes(gm))
         self._nanpass_graphs[-1] = dataclasses.replace(self._nanpass_graphs[-1], code=gm.code,
@@ -140,11 +142,11 @@ class Hardened(torch.nn.Module):
             if isinstance(inner, NanpassError):  # ours, raised while compiling: show it plainly
                 raise inner.with_traceback(None) from None
             raise
-        except torch._dynamo.exc.TorchRuntimeError as e:
+        except torch._dynamo.exc.TorchRuntimeError:
             # a shape error while dynamo traced the new shapes: name the layer, if shapes are checked
-            if self.__dict__.get("_nanpass_expected") is not None:
+            if self._nanpass_expected is not None:
                 check_shapes(self._nanpass_model, *args, **kwargs)
-            raise e
+            raise
         if not self._nanpass_graphs:
             fn = type(self._nanpass_model).forward
             code = getattr(fn, "__code__", None)
