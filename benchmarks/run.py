@@ -67,16 +67,18 @@ def forward_only(model, batch):
 
 def bench_eager(name, model, batch, repeats):
     safe = nanpass.harden(model)
+    guards_only = nanpass.harden(model, stable=False)
     res = {}
     for kind, make in (("forward", forward_only), ("train step", train_step)):
-        t = interleaved({"plain": make(model, batch), "nanpass": make(safe, batch)}, repeats)
+        t = interleaved({"plain": make(model, batch), "nanpass": make(safe, batch),
+                         "guards": make(guards_only, batch)}, repeats)
         res[kind] = {"plain_ms": t["plain"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3,
-                     "ratio": t["nanpass"] / t["plain"]}
+                     "ratio": t["nanpass"] / t["plain"], "guards_only_ratio": t["guards"] / t["plain"]}
     res["guarded_ops"] = sum(c.action == "guarded" for c in safe.changes)
     return res
 
 
-def bench_compiled(model, batch, repeats):
+def bench_compiled(model, batch, repeats, shapes=False):
     torch._dynamo.reset()
     t0 = time.perf_counter()
     ind = torch.compile(model, backend="inductor")
@@ -86,10 +88,18 @@ def bench_compiled(model, batch, repeats):
     npb = torch.compile(model, backend=nanpass.backend())
     train_step(npb, batch)()
     t_np = time.perf_counter() - t0
-    t = interleaved({"inductor": train_step(ind, batch), "nanpass": train_step(npb, batch)}, repeats)
-    return {"inductor_ms": t["inductor"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3,
-            "ratio": t["nanpass"] / t["inductor"], "compile_s_inductor": t_ind,
-            "compile_s_nanpass": t_np, "compile_ratio": t_np / t_ind}
+    fns = {"inductor": train_step(ind, batch), "nanpass": train_step(npb, batch)}
+    if shapes:  # shape asserts: checked when a graph compiles, so nothing per call
+        sh = torch.compile(model, backend=nanpass.backend(shape_checks=True))
+        train_step(sh, batch)()
+        fns["shapes"] = train_step(sh, batch)
+    t = interleaved(fns, repeats)
+    out = {"inductor_ms": t["inductor"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3,
+           "ratio": t["nanpass"] / t["inductor"], "compile_s_inductor": t_ind,
+           "compile_s_nanpass": t_np, "compile_ratio": t_np / t_ind}
+    if shapes:
+        out["shape_checks_ratio"] = t["shapes"] / t["inductor"]
+    return out
 
 
 def bench_pass_time(layers):
@@ -123,18 +133,21 @@ def main():
     }
     results["eager"] = {name: bench_eager(name, m, b, repeats) for name, (m, b) in models.items()}
     if not args.quick:
-        results["compiled"] = {name: bench_compiled(m, b, repeats) for name, (m, b) in models.items()}
+        results["compiled"] = {name: bench_compiled(m, b, repeats, shapes=name.startswith("transformer"))
+                               for name, (m, b) in models.items()}
     results["pass_time"] = bench_pass_time([1, 12] if args.quick else [1, 6, 12, 24, 48])
 
     print(f"machine: {results['machine']}")
-    print(f"{'model':26} {'what':12} {'plain ms':>10} {'nanpass ms':>11} {'ratio':>7}")
+    print(f"{'model':26} {'what':16} {'plain ms':>10} {'nanpass ms':>11} {'ratio':>7}  notes")
     for name, r in results["eager"].items():
         for kind in ("forward", "train step"):
             x = r[kind]
-            print(f"{name:26} {'eager ' + kind:12} {x['plain_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}")
+            print(f"{name:26} {'eager ' + kind:16} {x['plain_ms']:10.2f} {x['nanpass_ms']:11.2f} "
+                  f"{x['ratio']:7.3f}  guards only (stable=False): {x['guards_only_ratio']:.3f}")
     for name, x in results.get("compiled", {}).items():
-        print(f"{name:26} {'compiled':12} {x['inductor_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"
-              f"   compile {x['compile_s_inductor']:.1f}s vs {x['compile_s_nanpass']:.1f}s")
+        extra = f", with shape_checks {x['shape_checks_ratio']:.3f}" if "shape_checks_ratio" in x else ""
+        print(f"{name:26} {'compiled step':16} {x['inductor_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"
+              f"  vs inductor{extra}; compile {x['compile_s_inductor']:.1f}s vs {x['compile_s_nanpass']:.1f}s")
     for row in results["pass_time"]:
         print(f"harden + first call, GPT-2 {row['layers']:2d} layers: {row['capture_and_rewrite_s']:.2f} s")
     import os

@@ -342,22 +342,27 @@ def record_shapes(gm, examples: list[tuple], dynamic: dict[int, str]) -> dict[st
     return merged
 
 
+def _input_name(node) -> str:
+    """dynamo names inputs L_x_; fx keeps the argument's name."""
+    return re.sub(r"^[lL]_(.*)_$", r"\1", str(node.target))
+
+
 def insert_asserts(gm, expected: dict[str, tuple]) -> list[ShapeAssert]:
-    """One assert per tensor value, right after it is made, before its first use."""
+    """One assert per graph input, before anything uses it, naming the first layer it enters.
+    Every other shape in the graph follows from the inputs' (the graph bakes in the rest), so
+    asserting each input dim once per graph is enough, and costs almost nothing per call."""
     graph = gm.graph
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    last_input = max((n for n in nodes if n.op == "placeholder"), key=order.get, default=None)
+    inputs = [n for n in nodes if n.op == "placeholder"]
     asserts = []
-    for node in nodes:
+    for node in inputs:
         shape = expected.get(node.name)
         if shape is None or not node.users or all(d is None for d in shape):
             continue
-        first_user = min(node.users, key=order.get)
-        entering = _describe(first_user, gm)
-        produced = f"input {node.target}" if node.op == "placeholder" else _describe(node, gm)
-        where = last_input if node.op == "placeholder" else node  # inputs are checked together
-        with graph.inserting_after(where):
+        entering = _describe(min(node.users, key=order.get), gm)
+        produced = f"input {_input_name(node)}"
+        with graph.inserting_after(inputs[-1]):
             check = graph.call_function(check_shape, (node, shape, entering, produced))
         check.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
         asserts.append(ShapeAssert(node.name, shape, entering, produced))
@@ -429,8 +434,8 @@ def compare_shapes(gm, expected: dict[str, tuple], dynamic: dict[int, str] | Non
             _same_dim(g, w, free) for g, w in zip(got, want, strict=False))
         if bad:
             user = min(n.users, key=list(gm.graph.nodes).index)
-            if n.op == "placeholder":  # dynamo names inputs L_x_: show x, and the declared dims
-                produced = "input " + re.sub(r"^[lL]_(.*)_$", r"\1", n.name)
+            if n.op == "placeholder":  # show the declared dims by name
+                produced = f"input {_input_name(n)}"
                 want = tuple((dynamic or {}).get(i, d) for i, d in enumerate(want))
             else:
                 produced = _describe(n, gm)
