@@ -2,6 +2,8 @@
 
 from ._backend import Backend as Backend
 from ._backend import backend as backend
+from ._check import NonFiniteError as NonFiniteError
+from ._check import NonFiniteWarning as NonFiniteWarning
 from ._config import Config as Config
 from ._errors import CaptureError as CaptureError
 from ._errors import ConfigError as ConfigError

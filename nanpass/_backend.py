@@ -157,7 +157,14 @@ def _config(options: dict) -> Config:
             f"nanpass: unknown backend option {unknown[0]!r}; valid options: "
             + ", ".join(repr(o) for o in OPTIONS)
         )
-    return make_config(**options)
+    config = make_config(**options)
+    if config.mode in ("check", "warn") and config.inner != "eager":
+        raise ConfigError(
+            f"nanpass: mode={config.mode!r} checks each op eagerly (one device sync per op) and "
+            f"cannot be compiled by {config.inner!r} yet; use inner='eager', or "
+            f"nanpass.harden(model, mode={config.mode!r})"
+        )
+    return config
 
 
 def backend(inner: str = "inductor", **options) -> Backend:

@@ -14,7 +14,7 @@ from ._constants import bounds
 from ._errors import ConfigError
 from ._rules import BY_NAME, GUARDED
 
-MODES = ("guard", "off")
+MODES = ("guard", "off", "check", "warn")
 INNERS = ("inductor", "aot_eager", "eager")
 
 
@@ -118,6 +118,7 @@ def make_config(
         raise ConfigError(f"nanpass: unknown mode {mode!r}; valid modes: {_choices(MODES)}")
     if inner not in INNERS:
         raise ConfigError(f"nanpass: unknown inner compiler {inner!r}; valid: {_choices(INNERS)}")
+
     chosen = set(GUARDED) if ops is None else set(_names("ops", ops, GUARDED))
     chosen -= _names("exclude_ops", exclude_ops, GUARDED)
     if isinstance(exclude, str):

@@ -17,10 +17,11 @@ import torch
 import torch.fx as fx
 
 from . import _stable
+from ._check import check_input, checked
 from ._config import Config
 from ._errors import RewriteError
 from ._rules import BY_NAME, Rule, Spelling, match
-from ._source import module_path, user_frame
+from ._source import input_name, module_path, user_frame
 
 Tensor = torch.Tensor
 
@@ -37,7 +38,7 @@ class Change:
     module_type: str
     source: str | None  # "file.py:12", the user's own frame
     code: str | None  # that source line
-    action: str  # "guarded" | "stable" | "left"
+    action: str  # "guarded" | "stable" | "left" | "checked"
     guard: str  # the guard or stable form applied; "" when left alone
     reason: str  # why the op is unsafe, or why it was left alone
     dtype: str | None = None  # the operand dtype, when the capture recorded it
@@ -123,6 +124,67 @@ def _operand_dtype(node: fx.Node) -> torch.dtype | None:
     return None
 
 
+def make_checker(rule: Rule, sp: Spelling, where: str, warn: bool):
+    """mode="check"/"warn": the original op, then a check of what it made (see _check.py)."""
+    if sp.kind == "module":
+
+        def check(module, *args, **kwargs):
+            return checked(module, args, kwargs, where, warn)
+
+    elif sp.inplace:
+        plain = sp.outplace
+
+        def check(*args, **kwargs):
+            operand = (args[0].clone(), *args[1:]) if isinstance(args[0], Tensor) else args
+            return args[0].copy_(checked(plain, operand, kwargs, where, warn))
+
+    else:
+        fn = sp.call
+
+        def check(*args, **kwargs):
+            return checked(fn, args, kwargs, where, warn)
+
+    check.__name__ = check.__qualname__ = f"check_{rule.name}"
+    check.__module__ = "nanpass"
+    return check
+
+
+def _check_graph(gm: fx.GraphModule, config: Config, record) -> None:
+    """Replace every op of the rule table by its checker; check the inputs for NaN."""
+    graph = gm.graph
+    warn = config.mode == "warn"
+    nodes = list(graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    for node in inputs:
+        if node.users:
+            with graph.inserting_after(inputs[-1]):
+                graph.call_function(check_input, (node, input_name(node), warn))
+    for node in nodes:
+        hit = match(node, gm)
+        if hit is None or not hit[0].guarded:
+            continue
+        rule, sp = hit
+        path, cls = module_path(node)
+        if node.op == "call_module":
+            cls = type(gm.get_submodule(path)).__name__
+        frame = user_frame(node.meta.get("stack_trace"))
+        where = (f"{sp.name} in {path or '<root>'}{' (' + cls + ')' if cls else ''}"
+                 f"{' at ' + frame[0] + ': ' + frame[1] if frame else ''}")
+        with graph.inserting_before(node):
+            args = node.args
+            if sp.kind == "module":
+                args = (graph.get_attr(str(node.target)), *args)
+            new = graph.call_function(make_checker(rule, sp, where, warn), args, dict(node.kwargs))
+        new.meta = dict(node.meta)
+        original = node.name
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        record(new, original, rule.name, sp.name, "checked", f"raises NonFiniteError here ({config.mode})",
+               rule.reason)
+    graph.lint()
+    gm.recompile()
+
+
 def _static_non_float(node: fx.Node) -> str | None:
     """Why the operands are known not to be floating tensors, from the graph alone."""
     if node.all_input_nodes and all(_is_shape_arith(a) for a in node.args):
@@ -170,6 +232,10 @@ def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
     def record_stable(node, original, description):
         record(node, original, match(node, gm)[0].name, description.split(" -> ")[0], "stable",
                description, "exact stable form: the naive form loses the value or overflows")
+
+    if config.mode in ("check", "warn"):
+        _check_graph(gm, config, record)
+        return changes
 
     if config.stable:
         _stable.apply(gm, gm, record_stable)
@@ -244,7 +310,7 @@ def rewrite_and_record(gm: fx.GraphModule, config: Config, capture: str, example
 
 def summary(changes: list[Change]) -> str:
     """One line: ``5 unsafe ops in 2 modules: 3 div, 2 log — 4 guarded, 1 stable form, 0 left alone``."""
-    done = [c for c in changes if c.action in ("guarded", "stable") and not c.after_stable]
+    done = [c for c in changes if c.action in ("guarded", "stable", "checked") and not c.after_stable]
     left = [c for c in changes if c.action == "left"]
     counts: dict[str, int] = {}
     for c in done:
@@ -252,7 +318,11 @@ def summary(changes: list[Change]) -> str:
     by_op = ", ".join(f"{n} {op}" for op, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     modules = len({c.module for c in done})
     guarded = sum(c.action == "guarded" for c in done)
-    stable = len(done) - guarded
+    checked = sum(c.action == "checked" for c in done)
+    stable = len(done) - guarded - checked
+    if checked:
+        return (f"{len(done)} unsafe ops in {modules} module{'s' if modules != 1 else ''}"
+                f"{': ' + by_op if by_op else ''} \u2014 {checked} checked for NaN/Inf")
     return (
         f"{len(done)} unsafe ops in {modules} module{'s' if modules != 1 else ''}"
         f"{': ' + by_op if by_op else ''} \u2014 {guarded} guarded, {stable} stable form"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ._errors import CaptureError, NanpassError
-from ._source import is_user_file
+from ._source import input_name, is_user_file
 
 Tensor = torch.Tensor
 
@@ -342,11 +341,6 @@ def record_shapes(gm, examples: list[tuple], dynamic: dict[int, str]) -> dict[st
     return merged
 
 
-def _input_name(node) -> str:
-    """dynamo names inputs L_x_; fx keeps the argument's name."""
-    return re.sub(r"^[lL]_(.*)_$", r"\1", str(node.target))
-
-
 def insert_asserts(gm, expected: dict[str, tuple]) -> list[ShapeAssert]:
     """One assert per graph input, before anything uses it, naming the first layer it enters.
     Every other shape in the graph follows from the inputs' (the graph bakes in the rest), so
@@ -361,7 +355,7 @@ def insert_asserts(gm, expected: dict[str, tuple]) -> list[ShapeAssert]:
         if shape is None or not node.users or all(d is None for d in shape):
             continue
         entering = _describe(min(node.users, key=order.get), gm)
-        produced = f"input {_input_name(node)}"
+        produced = f"input {input_name(node)}"
         with graph.inserting_after(inputs[-1]):
             check = graph.call_function(check_shape, (node, shape, entering, produced))
         check.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
@@ -435,7 +429,7 @@ def compare_shapes(gm, expected: dict[str, tuple], dynamic: dict[int, str] | Non
         if bad:
             user = min(n.users, key=list(gm.graph.nodes).index)
             if n.op == "placeholder":  # show the declared dims by name
-                produced = f"input {_input_name(n)}"
+                produced = f"input {input_name(n)}"
                 want = tuple((dynamic or {}).get(i, d) for i, d in enumerate(want))
             else:
                 produced = _describe(n, gm)

@@ -47,3 +47,8 @@ def module_path(node) -> tuple[str, str]:
     path = _DYNAMO_ROOT.sub("", path)
     path = _INDEX.sub(lambda m: "." + m.group(1), path).strip(".")
     return path, getattr(cls, "__name__", str(cls))
+
+
+def input_name(node) -> str:
+    """The user's name of a graph input: fx keeps it as the target, dynamo writes L_x_."""
+    return re.sub(r"^[lL]_(.*)_$", r"\1", str(node.target))

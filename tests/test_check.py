@@ -1,0 +1,118 @@
+"""Check mode names the op where a NaN or Inf is born, forward and backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nanpass
+from nanpass._rules import RULES
+from tests.cases import PROBES
+from tests.test_spellings import FAST_PATHS, Call, _inputs
+
+# only non-finite for an infinite operand, which is passed through, not created
+PROPAGATE_ONLY = {"logsigmoid"}
+
+
+def _function_cases():
+    for rule in RULES:
+        if not rule.guarded or rule.name in FAST_PATHS or rule.name in PROPAGATE_ONLY:
+            continue
+        kind = "module" if rule.name == "multi_head_attention" else "function"
+        sp = next(s for s in rule.spellings() if s.kind == kind)
+        yield pytest.param(rule, sp, id=rule.name)
+
+
+@pytest.mark.parametrize("capture", ["harden", "backend"])
+@pytest.mark.parametrize("rule,sp", list(_function_cases()))
+def test_check_mode_names_the_op(rule, sp, capture):
+    args, kwargs = _inputs(rule, sp)
+    keep = sp.kind != "module" or rule.name == "multi_head_attention"
+    model = Call(rule, sp, kwargs if keep else {})
+    checked = (nanpass.harden(model, mode="check") if capture == "harden"
+               else torch.compile(model, backend=nanpass.backend(inner="eager", mode="check")))
+    with pytest.raises(nanpass.NonFiniteError) as e:
+        out = checked(*copy.deepcopy(args))
+        outs = out if isinstance(out, tuple) else (out,)
+        sum(o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad).backward()
+    msg = str(e.value)
+    assert msg.startswith("nanpass: "), msg
+    assert "test_spellings.py" in msg  # the line in Call.forward that calls the op
+    spelled = {s.name for s in rule.spellings()}
+    assert any(name in msg for name in spelled), msg
+
+
+def test_propagated_infinity_is_not_an_error():
+    probe = PROBES["logsigmoid"]
+    (x,), _ = probe.bad()
+    model = nanpass.harden(Call(next(r for r in RULES if r.name == "logsigmoid"),
+                                next(s for r in RULES if r.name == "logsigmoid" for s in r.spellings()), {}),
+                           mode="check")
+    out = model(x)
+    assert torch.isinf(out).any()  # -inf in, -inf out: not created here
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x, pad):
+        scores = x @ x.transpose(1, 2)
+        scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+        a = torch.softmax(scores, -1) @ x
+        return a + self.mha(x, x, x, key_padding_mask=pad)[0]
+
+
+def test_masked_attention_runs_in_check_mode():
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    pad = torch.tensor([[False, False, True], [False, True, True]])  # partial masks only
+    out = nanpass.harden(Attention(), mode="check")(x, pad)
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    pad[1] = True  # now a fully masked row: softmax makes NaN from -inf, and check mode says so
+    with pytest.raises(nanpass.NonFiniteError, match=r"NaN created by torch.softmax in <root>"):
+        nanpass.harden(Attention(), mode="check")(x, pad)
+
+
+def test_nan_in_the_data_is_the_datas():
+    x = torch.tensor([[1.0, float("nan")]])
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: NaN in the input 'input'"):
+        nanpass.harden(nn.Sequential(nn.Linear(2, 2), nn.LogSoftmax(-1)), mode="check")(x)
+
+
+class Backward(nn.Module):
+    def forward(self, a, b):
+        dist = torch.sqrt(((a - b) ** 2).sum(-1))  # 0 for identical rows: infinite gradient
+        cos = torch.nn.functional.cosine_similarity(a, a + 0.0)
+        return dist.sum() + torch.acos(cos.clamp(-1, 1)).sum()
+
+
+def test_backward_names_sqrt_at_zero_then_acos_at_one():
+    a = torch.randn(3, 4, requires_grad=True)
+    b = a.detach().clone()
+    b[1] += 1.0
+    model = nanpass.harden(Backward(), mode="check")
+    loss = model(a, b)
+    with pytest.raises(nanpass.NonFiniteError, match=r"non-finite gradient created by the backward of torch.(acos|sqrt)"):
+        loss.backward()
+
+
+def test_warn_mode_warns():
+    with pytest.warns(nanpass.NonFiniteWarning, match="NaN created by torch.log"):
+        out = nanpass.harden(nn.Sequential(nn.Identity()), mode="warn")  # nothing to check
+        assert out(torch.ones(1)) == 1
+        nanpass.harden(LogModel(), mode="warn")(torch.tensor([-1.0]))
+
+
+class LogModel(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+def test_backend_check_mode_needs_eager():
+    with pytest.raises(nanpass.ConfigError, match="^nanpass: mode='check' checks each op eagerly"):
+        nanpass.backend(mode="check")
