@@ -78,6 +78,20 @@ def bench_eager(name, model, batch, repeats):
     return res
 
 
+def bench_check_mode(model, batch, repeats):
+    """Check mode against torch.autograd.detect_anomaly, same model, same run."""
+    checked = nanpass.harden(model, mode="check")
+    plain = train_step(model, batch)
+
+    def anomaly():
+        with torch.autograd.detect_anomaly(check_nan=True):
+            plain()
+
+    t = interleaved({"plain": plain, "check": train_step(checked, batch), "anomaly": anomaly}, repeats)
+    return {"plain_ms": t["plain"] * 1e3, "check_ratio": t["check"] / t["plain"],
+            "detect_anomaly_ratio": t["anomaly"] / t["plain"]}
+
+
 def bench_compiled(model, batch, repeats, shapes=False):
     torch._dynamo.reset()
     t0 = time.perf_counter()
@@ -132,6 +146,7 @@ def main():
         "transformer-encoder-4L": (encoder(), torch.randn(8, 64, 128)),
     }
     results["eager"] = {name: bench_eager(name, m, b, repeats) for name, (m, b) in models.items()}
+    results["check_mode"] = {name: bench_check_mode(m, b, repeats) for name, (m, b) in models.items()}
     if not args.quick:
         results["compiled"] = {name: bench_compiled(m, b, repeats, shapes=name.startswith("transformer"))
                                for name, (m, b) in models.items()}
@@ -144,6 +159,9 @@ def main():
             x = r[kind]
             print(f"{name:26} {'eager ' + kind:16} {x['plain_ms']:10.2f} {x['nanpass_ms']:11.2f} "
                   f"{x['ratio']:7.3f}  guards only (stable=False): {x['guards_only_ratio']:.3f}")
+    for name, x in results["check_mode"].items():
+        print(f"{name:26} {'check mode':16} {x['plain_ms']:10.2f} {'':11} {x['check_ratio']:7.3f}"
+              f"  detect_anomaly: {x['detect_anomaly_ratio']:.3f}")
     for name, x in results.get("compiled", {}).items():
         extra = f", with shape_checks {x['shape_checks_ratio']:.3f}" if "shape_checks_ratio" in x else ""
         print(f"{name:26} {'compiled step':16} {x['inductor_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"

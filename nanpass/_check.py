@@ -10,13 +10,62 @@ device per op: a debugging mode, not one to train with.
 
 from __future__ import annotations
 
+import contextvars
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
 from ._errors import NanpassError
 
 Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a checked op is: filled in by the rewrite from the node's metadata."""
+
+    op: str  # rule name
+    spelling: str
+    module: str
+    module_type: str
+    source: str | None
+    code: str | None
+
+    def __str__(self) -> str:
+        cls = f" ({self.module_type})" if self.module_type else ""
+        at = f" at {self.source}: {self.code}" if self.source else ""
+        return f"{self.spelling} in {self.module or '<root>'}{cls}{at}"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One non-finite value, as check mode saw it."""
+
+    phase: str  # "input" | "forward" | "backward"
+    kind: str  # "NaN" | "Inf" | "non-finite gradient"
+    created: bool  # made here from finite operands (forward) or a finite gradient (backward)
+    site: Site | None  # None for an input
+    message: str
+    operands: tuple[str, ...] = field(default=())
+    index: int | None = None  # first batch index whose operand row is already suspicious
+
+    def to_dict(self) -> dict:
+        return {
+            "phase": self.phase, "kind": self.kind, "created": self.created,
+            "op": self.site.op if self.site else None,
+            "spelling": self.site.spelling if self.site else None,
+            "module": self.site.module if self.site else None,
+            "source": self.site.source if self.site else None,
+            "code": self.site.code if self.site else None,
+            "operands": list(self.operands), "batch_index": self.index, "message": self.message,
+        }
+
+
+# while nanpass.locate runs, events are collected here instead of raised, and each checked
+# op calls PROGRESS
+COLLECT: contextvars.ContextVar[list | None] = contextvars.ContextVar("nanpass_collect", default=None)
+PROGRESS: contextvars.ContextVar = contextvars.ContextVar("nanpass_progress", default=None)
 
 
 class NonFiniteError(NanpassError, FloatingPointError):
@@ -50,18 +99,33 @@ def _float_tensors(xs):
             yield from _float_tensors(x)
 
 
-def _report(message: str, warn: bool) -> None:
-    if warn:
-        warnings.warn(message, NonFiniteWarning, stacklevel=3)
+def _report(event: Event, warn: bool) -> None:
+    sink = COLLECT.get()
+    if sink is not None:
+        sink.append(event)
+    elif warn:
+        warnings.warn(event.message, NonFiniteWarning, stacklevel=3)
     else:
-        raise NonFiniteError(message)
+        raise NonFiniteError(event.message)
+
+
+def _suspicious_row(t: Tensor, nan_only: bool = False) -> int | None:
+    """First index along dim 0 holding a NaN, or (for an op's operand) a zero, a negative or a
+    non-finite value: where a log, a division or a sqrt goes wrong."""
+    if t.dim() == 0 or not t.is_floating_point():
+        return None
+    bad = torch.isnan(t) if nan_only else (t == 0) | (t < 0) | ~torch.isfinite(t)
+    rows = bad.reshape(t.shape[0], -1).any(1)
+    hit = rows.nonzero()
+    return int(hit[0, 0]) if hit.numel() else None
 
 
 class _GradState:
-    __slots__ = ("out_finite",)
+    __slots__ = ("out_finite", "in_finite")
 
     def __init__(self):
-        self.out_finite = True
+        self.out_finite = True  # the gradient the op received
+        self.in_finite = True  # no NaN among the op's operands (a NaN forward explains a NaN backward)
 
 
 class _OutGrad(torch.autograd.Function):
@@ -82,36 +146,50 @@ class _InGrad(torch.autograd.Function):
     """Identity; in backward, raises when the op's own backward made the gradient non-finite."""
 
     @staticmethod
-    def forward(ctx, x, state, where, index, warn):
-        ctx.state, ctx.where, ctx.index, ctx.warn = state, where, index, warn
+    def forward(ctx, x, state, site, index, warn):
+        ctx.state, ctx.site, ctx.index, ctx.warn = state, site, index, warn
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.state.out_finite and not bool(torch.isfinite(grad).all()):
-            _report(f"nanpass: non-finite gradient created by the backward of {ctx.where}, for "
-                    f"operand {ctx.index} ({describe(grad)})", ctx.warn)
+        if not bool(torch.isfinite(grad).all()):
+            created = ctx.state.out_finite and ctx.state.in_finite
+            what = "created by the backward of" if created else "passed on by the backward of"
+            message = (f"nanpass: non-finite gradient {what} {ctx.site}, for operand {ctx.index} "
+                       f"({describe(grad)})")
+            if created or COLLECT.get() is not None:
+                _report(Event("backward", "non-finite gradient", created, ctx.site, message,
+                              (describe(grad),)), ctx.warn)
         return grad, None, None, None, None
 
 
-def checked(fn, args, kwargs, where: str, warn: bool):
+def checked(fn, args, kwargs, site: Site, warn: bool):
     """Run ``fn`` and check its result; wire the backward check when autograd is recording."""
     inputs = list(_float_tensors((*args, *kwargs.values())))
     state = _GradState()
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        args = tuple(_InGrad.apply(a, state, where, i, warn)
+        args = tuple(_InGrad.apply(a, state, site, i, warn)
                      if isinstance(a, Tensor) and a.requires_grad else a for i, a in enumerate(args))
     out = fn(*args, **kwargs)
+    tick = PROGRESS.get()
+    if tick is not None:
+        tick()
     outs = list(_float_tensors((out,)))
     bad_in = [i for i, t in enumerate(inputs) if not bool(torch.isfinite(t).all())]
+    nan_in = any(bool(torch.isnan(t).any()) for t in inputs)
+    state.in_finite = not nan_in  # an -inf mask is fine; a NaN operand explains a NaN gradient
     for o in outs:
         nan = bool(torch.isnan(o).any())
         inf = bool(torch.isinf(o).any())
-        if nan or (inf and not bad_in):
+        created = (nan and not nan_in) or (inf and not bad_in)
+        if created or ((nan or inf) and COLLECT.get() is not None):
             kind = "NaN" if nan else "Inf"
             fed = (f"operands {bad_in} were already non-finite" if bad_in else "every operand was finite")
-            detail = "; ".join(f"operand {i}: {describe(t)}" for i, t in enumerate(inputs))
-            _report(f"nanpass: {kind} created by {where}: {fed}; {detail}", warn)
+            operands = tuple(describe(t) for t in inputs)
+            detail = "; ".join(f"operand {i}: {d}" for i, d in enumerate(operands))
+            verb = "created by" if created else "passed through"
+            _report(Event("forward", kind, created, site, f"nanpass: {kind} {verb} {site}: {fed}; {detail}",
+                          operands, _suspicious_row(inputs[0]) if inputs else None), warn)
             break
     if isinstance(out, Tensor) and out.requires_grad and torch.is_grad_enabled():
         out = _OutGrad.apply(out, state)
@@ -121,7 +199,8 @@ def checked(fn, args, kwargs, where: str, warn: bool):
 def check_input(t, name: str, warn: bool):
     """A NaN in the data is the data's, not the first op's."""
     if isinstance(t, Tensor) and t.is_floating_point() and bool(torch.isnan(t).any()):
-        _report(f"nanpass: NaN in the input {name!r} ({describe(t)})", warn)
+        _report(Event("input", "NaN", False, None, f"nanpass: NaN in the input {name!r} ({describe(t)})",
+                      (describe(t),), _suspicious_row(t, nan_only=True)), warn)
     return t
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import _stable
-from ._check import check_input, checked
+from ._check import Site, check_input, checked
 from ._config import Config
 from ._errors import RewriteError
 from ._rules import BY_NAME, Rule, Spelling, match
@@ -124,7 +124,7 @@ def _operand_dtype(node: fx.Node) -> torch.dtype | None:
     return None
 
 
-def make_checker(rule: Rule, sp: Spelling, where: str, warn: bool):
+def make_checker(rule: Rule, sp: Spelling, where: Site, warn: bool):
     """mode="check"/"warn": the original op, then a check of what it made (see _check.py)."""
     if sp.kind == "module":
 
@@ -168,8 +168,8 @@ def _check_graph(gm: fx.GraphModule, config: Config, record) -> None:
         if node.op == "call_module":
             cls = type(gm.get_submodule(path)).__name__
         frame = user_frame(node.meta.get("stack_trace"))
-        where = (f"{sp.name} in {path or '<root>'}{' (' + cls + ')' if cls else ''}"
-                 f"{' at ' + frame[0] + ': ' + frame[1] if frame else ''}")
+        where = Site(rule.name, sp.name, path, cls, frame[0] if frame else None,
+                     frame[1] if frame else None)
         with graph.inserting_before(node):
             args = node.args
             if sp.kind == "module":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -116,3 +117,60 @@ class LogModel(nn.Module):
 def test_backend_check_mode_needs_eager():
     with pytest.raises(nanpass.ConfigError, match="^nanpass: mode='check' checks each op eagerly"):
         nanpass.backend(mode="check")
+
+
+class Layer(nn.Module):
+    def __init__(self, bad: bool = False):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bad = bad
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.bad:
+            h = torch.log(h - 2.0)  # always negative: NaN
+        return h / h.norm(dim=-1, keepdim=True)
+
+
+class Deep(nn.Module):
+    def __init__(self, n: int = 24, bad: int | None = 12):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(i == bad) for i in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_locate_finds_the_middle_layer(capsys):
+    finding = nanpass.locate(Deep(), torch.randn(4, 8, requires_grad=True), loss_fn=lambda o: o.sum(),
+                             progress=True)
+    assert finding.forward.site.module == "layers.12" and finding.forward.site.op == "log"
+    assert finding.forward.created and finding.forward.kind == "NaN"
+    assert finding.backward is None  # the forward NaN explains the backward one
+    assert [e.site.module for e in finding.chain[1:4]] == ["layers.12", "layers.13", "layers.14"]
+    assert finding.suggestion.startswith("guard this log (torch.log at ")
+    assert "batch index 0" in finding.suggestion
+    data = json.loads(finding.to_json())
+    assert data["schema"] == "nanpass.finding/1" and data["forward"]["module"] == "layers.12"
+    assert "layers.12" in str(finding)
+    assert "checked ops" in capsys.readouterr().err  # progress on a long model
+
+
+def test_locate_backward_only_and_clean_runs():
+    a = torch.randn(3, 4, requires_grad=True)
+    b = a.detach().clone()
+    finding = nanpass.locate(Backward(), a, b, loss_fn=lambda out: out, progress=False)
+    assert finding.forward is None
+    assert finding.backward.site.op in ("sqrt", "acos") and finding.backward.created
+    clean = nanpass.locate(Deep(4, bad=None), torch.randn(2, 8), progress=False)
+    assert clean.forward is None and clean.backward is None and "no NaN" in str(clean)
+
+
+def test_locate_blames_the_data():
+    x = torch.randn(5, 8)
+    x[3, 2] = float("nan")
+    finding = nanpass.locate(Deep(4, bad=None), x, progress=False)
+    assert finding.forward.phase == "input" and finding.forward.index == 3
+    assert finding.suggestion.startswith("the data already holds NaN at batch index 3")
