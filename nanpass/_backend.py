@@ -21,7 +21,7 @@ from ._rewrite import Change, GraphRecord, rewrite_and_record
 from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
 
 OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inner",
-           "shape_checks", "dynamic_dims")
+           "shape_checks", "dynamic_dims", "count")
 
 # every graph the backend compiled, in order, and the record of each compiled callable, so
 # nanpass.report(compiled_model) can find its own graphs through dynamo's cache
@@ -158,6 +158,11 @@ def _config(options: dict) -> Config:
             + ", ".join(repr(o) for o in OPTIONS)
         )
     config = make_config(**options)
+    if config.count and config.inner != "eager":
+        raise ConfigError(
+            f"nanpass: count=True keeps counters on the device from eager guards and cannot be "
+            f"compiled by {config.inner!r} yet; use inner='eager', or nanpass.harden(model, count=True)"
+        )
     if config.mode in ("check", "warn") and config.inner != "eager":
         raise ConfigError(
             f"nanpass: mode={config.mode!r} checks each op eagerly (one device sync per op) and "

@@ -52,6 +52,7 @@ class Config:
     stable: bool = True  # apply the exact stable-form rewrites
     inner: str = "inductor"  # backend only
     shape_checks: bool = False  # backend: shapes of the first compile are enforced on recompiles
+    count: bool = False  # guard statistics: elements each guard changed
     dynamic_dims: tuple[tuple[int, str], ...] = ((0, "batch"),)
 
     def excluded(self, module_path: str) -> bool:
@@ -112,6 +113,7 @@ def make_config(
     inner: str = "inductor",
     shape_checks: bool = False,
     dynamic_dims: Mapping[int, str] | None = None,
+    count: bool = False,
     module_paths: Iterable[str] | None = None,
 ) -> Config:
     if mode not in MODES:
@@ -166,6 +168,7 @@ def make_config(
         constants=tuple(sorted(consts)),
         stable=bool(stable),
         shape_checks=bool(shape_checks),
+        count=bool(count),
         dynamic_dims=tuple(sorted(dynamic_dims_of(dynamic_dims).items())),
         inner=inner,
     )

@@ -19,6 +19,7 @@ per-op overrides.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import numbers
@@ -29,6 +30,16 @@ import torch
 from ._constants import PowDomain, bounds, pow_domain
 
 Tensor = torch.Tensor
+
+# guard statistics (harden(count=True)): the counter of the guard that is running
+COUNTER: contextvars.ContextVar = contextvars.ContextVar("nanpass_counter", default=None)
+
+
+def _count(changed) -> None:
+    """Add the elements this guard changed to its counter, on the device: no sync."""
+    counter = COUNTER.get()
+    if counter is not None and isinstance(changed, Tensor):
+        counter.add(changed)
 
 
 def _saturate(t: Tensor) -> Tensor:
@@ -88,6 +99,7 @@ def finite(x):
     """+-inf to +-max, NaN to 0: identity on finite values; the gradient passes straight through."""
     if not isinstance(x, Tensor) or not x.is_floating_point():
         return x
+    _count(~torch.isfinite(x))
     return _Finite.apply(x) if x.requires_grad else _saturate(x)
 
 
@@ -124,6 +136,7 @@ def clamped(lo: str | None, hi: str | None) -> Callable:
         x, rest, kw = _unary(args, kwargs)
         c = consts(x.dtype)
         xs = torch.clamp(x, c[lo] if lo else None, c[hi] if hi else None)
+        _count(xs != x)
         return fn(finite_grad(xs), *rest, **kw)
 
     return impl
@@ -141,7 +154,9 @@ def logit(fn, args, kwargs, consts):
     lo, hi = c["lo"], c["hi"]
     if eps is not None:  # respect the user's eps, but never 1 - eps == 1.0
         lo, hi = max(lo, _in_dtype(eps, x.dtype)), min(hi, _in_dtype(1 - eps, x.dtype))
-    return fn(finite_grad(torch.clamp(x, lo, hi)), *rest, **kw)
+    xs = torch.clamp(x, lo, hi)
+    _count(xs != x)
+    return fn(finite_grad(xs), *rest, **kw)
 
 
 # -- division -----------------------------------------------------------------------------
@@ -150,6 +165,7 @@ def logit(fn, args, kwargs, consts):
 def _quotient(q: Tensor, zero) -> Tensor:
     """0 where the divisor is 0 (as tf.math.divide_no_nan), +-max where the quotient overflows."""
     if isinstance(zero, Tensor):
+        _count(zero)
         q = torch.where(zero, 0.0, q)
     elif zero:  # a constant 0 divisor: 0, still connected to the graph for backward
         q = torch.where(torch.ones((), dtype=torch.bool, device=q.device), 0.0, q)
@@ -183,6 +199,7 @@ def pow_(fn, args, kwargs, consts):
         if dom is None:
             return fn(x, p, *rest, **kw)
         xs = _away_from_zero(x, dom.away) if dom.away else torch.clamp(x, dom.lo, dom.hi)
+        _count(xs != x)
         return fn(finite_grad(xs), p, *rest, **kw)
     # a tensor exponent: any base, any exponent; saturate the value, fence the gradients
     return finite(fn(finite_grad(x), finite_grad(p), *rest, **kw))
@@ -214,7 +231,9 @@ def xlogy(fn, args, kwargs, consts):
     (x, y), rest, kw = operands(args, kwargs, ("input", "other"))
     if isinstance(y, Tensor):
         c = consts(y.dtype)
-        y = finite_grad(torch.clamp(y, c["lo"], c["hi"]))
+        ys = torch.clamp(y, c["lo"], c["hi"])
+        _count(ys != y)
+        y = finite_grad(ys)
     return finite(fn(finite_grad(x), y, *rest, **kw))
 
 

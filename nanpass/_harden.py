@@ -249,6 +249,7 @@ def harden(
     example_inputs=None,
     shape_checks: bool = False,
     dynamic_dims: Mapping[int, str] | None = None,
+    count: bool = False,
 ) -> Hardened:
     """Return ``model`` with every numerically unsafe op guarded, forward and backward.
 
@@ -265,6 +266,9 @@ def harden(
     ``example_inputs`` (the positional arguments of one call, or a list of such tuples) and
     inserts asserts that name the layer a wrongly shaped tensor enters. Dims that differ between
     examples, or that ``dynamic_dims`` declares on the inputs (default ``{0: "batch"}``), are free.
+
+    ``count=True`` keeps, per guard, how many elements it changed (on the device, no sync per
+    op): ``nanpass.stats(model)``.
     """
     if isinstance(model, Hardened):
         model = model.original
@@ -280,7 +284,7 @@ def harden(
         )
     config = make_config(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
-        stable=stable, module_paths=[name for name, _ in model.named_modules()],
+        stable=stable, count=count, module_paths=[name for name, _ in model.named_modules()],
     )
     shapes = None
     if shape_checks:

@@ -20,8 +20,10 @@ from . import _stable
 from ._check import Site, check_input, checked
 from ._config import Config
 from ._errors import RewriteError
+from ._guards import COUNTER
 from ._rules import BY_NAME, Rule, Spelling, match
 from ._source import input_name, module_path, user_frame
+from ._stats import Counter
 
 Tensor = torch.Tensor
 
@@ -60,6 +62,22 @@ def _has_float(args, kwargs) -> bool:
 
 def _no_consts(dtype):  # pragma: no cover - rules without constants never call it
     return {}
+
+
+def counted(guard, counter: Counter):
+    """guard, with the elements it changes added to ``counter`` (on the device)."""
+
+    def count(*args, **kwargs):
+        token = COUNTER.set(counter)
+        counter.begin()
+        try:
+            return guard(*args, **kwargs)
+        finally:
+            COUNTER.reset(token)
+
+    count.__name__ = count.__qualname__ = guard.__name__
+    count.__module__ = "nanpass"
+    return count
 
 
 @functools.cache
@@ -198,8 +216,9 @@ def _static_non_float(node: fx.Node) -> str | None:
     return None
 
 
-def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
-    """Rewrite ``gm`` in place; return one Change per op looked at."""
+def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None) -> list[Change]:
+    """Rewrite ``gm`` in place; return one Change per op looked at. With ``config.count``,
+    each guard gets a Counter, appended to ``counters``."""
     changes: list[Change] = []
     if config.mode == "off":
         return changes
@@ -264,6 +283,10 @@ def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
             record(node, node.name, rule.name, sp.name, "left", "", why)
             continue
         guard = make_guard(rule, sp, config.consts(rule.name) if rule.constants else None)
+        counter = None
+        if config.count and counters is not None:
+            counter = Counter(None)
+            guard = counted(guard, counter)
         original = node.name
         try:
             with graph.inserting_before(node):
@@ -281,6 +304,9 @@ def rewrite(gm: fx.GraphModule, config: Config) -> list[Change]:
                 f"{' (' + frame[0] + ')' if frame else ''}: {e}"
             ) from e
         record(new, original, rule.name, sp.name, "guarded", rule.action, rule.reason)
+        if counter is not None:
+            counter.change = changes[-1]
+            counters.append(counter)
     graph.lint()
     gm.recompile()
     return changes
@@ -298,14 +324,17 @@ class GraphRecord:
     rewrite_s: float  # wall time of the pass
     params: tuple = ()  # weak references to the parameters the graph reads (to find its model)
     asserts: tuple = ()  # ShapeAsserts inserted into the graph
+    counters: tuple = ()  # guard statistics, with count=True
 
 
 def rewrite_and_record(gm: fx.GraphModule, config: Config, capture: str, example_inputs=()) -> GraphRecord:
     t = time.perf_counter()
     before = gm.code
-    changes = rewrite(gm, config)
+    counters: list = []
+    changes = rewrite(gm, config, counters)
     params = tuple(weakref.ref(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
-    return GraphRecord(capture, before, gm.code, changes, time.perf_counter() - t, params)
+    return GraphRecord(capture, before, gm.code, changes, time.perf_counter() - t, params,
+                       counters=tuple(counters))
 
 
 def summary(changes: list[Change]) -> str:

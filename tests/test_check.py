@@ -174,3 +174,29 @@ def test_locate_blames_the_data():
     finding = nanpass.locate(Deep(4, bad=None), x, progress=False)
     assert finding.forward.phase == "input" and finding.forward.index == 3
     assert finding.suggestion.startswith("the data already holds NaN at batch index 3")
+
+
+class Stat(nn.Module):
+    def forward(self, x, d):
+        return torch.log(x) + x / d + torch.softmax(x, -1)
+
+
+def test_guard_statistics_count_changed_elements_on_the_device():
+    safe = nanpass.harden(Stat(), count=True)
+    safe(torch.tensor([0.0, 1.0, -2.0, 3.0]), torch.tensor([0.0, 1.0, 2.0, 0.0]))
+    rows = {r.op: r for r in nanpass.stats(safe).rows}
+    assert (rows["log"].last, rows["div"].last, rows["softmax"].last) == (2, 2, 0)
+    safe(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 2.0, 3.0]))
+    rows = {r.op: r for r in nanpass.stats(safe).rows}
+    assert (rows["log"].calls, rows["log"].last, rows["log"].total) == (2, 1, 3)
+    assert (rows["div"].last, rows["div"].total) == (0, 2)
+    # the counts are device tensors until read: no host sync per op
+    assert all(isinstance(c.total, torch.Tensor) for g in safe.graphs for c in g.counters)
+    assert str(nanpass.stats(safe)).splitlines()[1].startswith("log")  # most changed first
+
+
+def test_stats_needs_count():
+    with pytest.raises(nanpass.NanpassError, match=r"^nanpass: stats\(\) needs a model hardened with count=True"):
+        nanpass.stats(nanpass.harden(Stat()))
+    with pytest.raises(nanpass.ConfigError, match="^nanpass: count=True keeps counters"):
+        nanpass.backend(count=True)
