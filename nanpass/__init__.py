@@ -25,6 +25,7 @@ from ._rules import Rule as Rule
 from ._shapes import ShapeError as ShapeError
 from ._shapes import ShapeTable as ShapeTable
 from ._shapes import check_shapes as check_shapes
+from ._stats import GuardWarning as GuardWarning
 from ._stats import Stats as Stats
 from ._stats import stats as stats
 

@@ -159,9 +159,10 @@ def _config(options: dict) -> Config:
         )
     config = make_config(**options)
     if config.count and config.inner != "eager":
+        what = "mode='guard+check'" if config.mode == "guard+check" else "count=True"
         raise ConfigError(
-            f"nanpass: count=True keeps counters on the device from eager guards and cannot be "
-            f"compiled by {config.inner!r} yet; use inner='eager', or nanpass.harden(model, count=True)"
+            f"nanpass: {what} keeps counters on the device from eager guards and cannot be "
+            f"compiled by {config.inner!r} yet; use inner='eager', or nanpass.harden(model, ...)"
         )
     if config.mode in ("check", "warn") and config.inner != "eager":
         raise ConfigError(

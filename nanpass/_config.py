@@ -14,7 +14,7 @@ from ._constants import bounds
 from ._errors import ConfigError
 from ._rules import BY_NAME, GUARDED
 
-MODES = ("guard", "off", "check", "warn")
+MODES = ("guard", "off", "check", "warn", "guard+check")
 INNERS = ("inductor", "aot_eager", "eager")
 
 
@@ -168,7 +168,7 @@ def make_config(
         constants=tuple(sorted(consts)),
         stable=bool(stable),
         shape_checks=bool(shape_checks),
-        count=bool(count),
+        count=bool(count) or mode == "guard+check",
         dynamic_dims=tuple(sorted(dynamic_dims_of(dynamic_dims).items())),
         inner=inner,
     )

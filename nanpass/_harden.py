@@ -26,6 +26,7 @@ from ._shapes import (
     merge_shapes,
     record_shapes,
 )
+from ._stats import warn_fired
 
 
 class Hardened(torch.nn.Module):
@@ -160,8 +161,20 @@ class Hardened(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         model = self._nanpass_model
-        if self._nanpass_config.mode == "off":
+        mode = self._nanpass_config.mode
+        if mode == "off":
             return model(*args, **kwargs)
+        if mode == "guard+check":
+            counters = [c for g in self.graphs for c in g.counters]
+            before = [c.calls for c in counters]
+            out = self._forward(args, kwargs)
+            counters_now = [c for g in self.graphs for c in g.counters]  # a first call captures
+            before += [0] * (len(counters_now) - len(counters))
+            warn_fired(counters_now, before)
+            return out
+        return self._forward(args, kwargs)
+
+    def _forward(self, args, kwargs):
         if self._nanpass_fx_error is None:
             try:
                 key, bound = _capture.call_key(self._nanpass_sig, self.training, args, kwargs)

@@ -3,11 +3,30 @@ rewriting a model's numbers is seen. Counts stay on the device; reading them is 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ._errors import NanpassError
+
+
+class GuardWarning(UserWarning):
+    """mode="guard+check": guards changed values in this call (which, and how many)."""
+
+
+def warn_fired(counters, before: list[int]) -> None:
+    """After a call: one sync for all guards that ran, one warning naming those that fired."""
+    ran = [c for c, n in zip(counters, before, strict=True) if c.calls > n and c.last is not None]
+    if not ran:
+        return
+    counts = torch.stack([c.last.to(ran[0].last.device) for c in ran]).tolist()
+    fired = [(c.change, int(n)) for c, n in zip(ran, counts, strict=True) if n]
+    if fired:
+        listed = "; ".join(f"{ch.spelling} in {ch.module or '<root>'}"
+                           f"{' at ' + ch.source if ch.source else ''}: {n} elements" for ch, n in fired)
+        warnings.warn(f"nanpass: {len(fired)} guard{'s' if len(fired) > 1 else ''} fired: {listed}",
+                      GuardWarning, stacklevel=3)
 
 
 class Counter:

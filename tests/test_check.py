@@ -200,3 +200,18 @@ def test_stats_needs_count():
         nanpass.stats(nanpass.harden(Stat()))
     with pytest.raises(nanpass.ConfigError, match="^nanpass: count=True keeps counters"):
         nanpass.backend(count=True)
+
+
+def test_guard_plus_check_guards_and_says_which_fired():
+    import warnings
+
+    safe = nanpass.harden(Stat(), mode="guard+check")
+    with pytest.warns(nanpass.GuardWarning, match=r"^nanpass: 2 guards fired: torch.log in <root> at .*: 1 elements; "
+                                                  r"operator.truediv in <root> at .*: 1 elements$"):
+        out = safe(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0]))
+    assert torch.isfinite(out).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        safe(torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0]))  # nothing fired: silent
+    with pytest.raises(nanpass.ConfigError, match="^nanpass: mode='guard\\+check' keeps counters"):
+        nanpass.backend(mode="guard+check")
