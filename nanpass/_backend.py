@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from ._check import flagged
 from ._config import Config, make_config
 from ._errors import ConfigError
 from ._rewrite import Change, GraphRecord, rewrite_and_record
@@ -101,11 +102,15 @@ def compile_graph(
 ):
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
-    record = rewrite_and_record(gm, config, "dynamo", example_inputs)
+    inner = inner or config.inner
+    sites = [] if config.mode in ("check", "warn") and inner != "eager" else None
+    record = rewrite_and_record(gm, config, "dynamo", example_inputs, sites)
     if config.shape_checks:
         record = _shape_checks(gm, record, config)
     (keep or _COMPILED.append)(record)
-    compiled = _inner(inner or config.inner, gm, example_inputs)
+    compiled = _inner(inner, gm, example_inputs)
+    if sites is not None:
+        compiled = flagged(compiled, sites, warn=config.mode == "warn")
     if _hashable(compiled):
         _BY_CALLABLE[compiled] = record
     return compiled
@@ -163,12 +168,6 @@ def _config(options: dict) -> Config:
         raise ConfigError(
             f"nanpass: {what} keeps counters on the device from eager guards and cannot be "
             f"compiled by {config.inner!r} yet; use inner='eager', or nanpass.harden(model, ...)"
-        )
-    if config.mode in ("check", "warn") and config.inner != "eager":
-        raise ConfigError(
-            f"nanpass: mode={config.mode!r} checks each op eagerly (one device sync per op) and "
-            f"cannot be compiled by {config.inner!r} yet; use inner='eager', or "
-            f"nanpass.harden(model, mode={config.mode!r})"
         )
     return config
 

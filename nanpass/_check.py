@@ -205,3 +205,55 @@ def check_input(t, name: str, warn: bool):
 
 
 check_input.__module__ = "nanpass"
+
+
+def created_flag(out, *inputs):
+    """0-dim bool tensor: ``out`` holds a NaN its operands did not, or an Inf from finite
+    operands. Tensor ops only (no host sync): the compiled check mode fuses it into the graph."""
+    outs = [o for o in _float_tensors((out,))]
+    ins = [t for t in _float_tensors(inputs)]
+    false = torch.zeros((), dtype=torch.bool, device=outs[0].device) if outs else None
+    if false is None:
+        return torch.zeros((), dtype=torch.bool)
+    nan_in, nonfinite_in = false, false
+    for t in ins:
+        nan_in = nan_in | (t != t).any()
+        nonfinite_in = nonfinite_in | ~(t.abs() <= torch.finfo(t.dtype).max).all()
+    bad = false
+    for o in outs:
+        nan = (o != o).any()
+        inf = (o.abs() == float("inf")).any()
+        bad = bad | (nan & ~nan_in) | (inf & ~nonfinite_in)
+    return bad
+
+
+created_flag.__module__ = "nanpass"
+
+
+def first_flag(first, bad, index: int, none: int):
+    """The smallest index whose flag is set: the first op, in graph order, that made a NaN/Inf."""
+    return torch.minimum(first, torch.where(bad, index, none))
+
+
+first_flag.__module__ = "nanpass"
+
+
+def flagged(compiled, sites: list, warn: bool):
+    """Wrap a compiled graph whose last output is the first bad op's index: one sync per call."""
+    none = len(sites)
+
+    def check(first):
+        i = int(first)
+        if i < none:
+            site = sites[i]
+            _report(Event("forward", "NaN/Inf", True, site,
+                          f"nanpass: NaN or Inf created by {site} (found by the compiled check; "
+                          "nanpass.harden(model, mode='check') re-runs it eagerly with operand details)"),
+                    warn)
+
+    def run(*args):  # dynamo calls what a backend returns with the flat inputs
+        outs = list(compiled(*args))
+        check(outs.pop())
+        return outs
+
+    return run

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import _stable
-from ._check import Site, check_input, checked
+from ._check import Site, check_input, checked, created_flag, first_flag
 from ._config import Config
 from ._errors import RewriteError
 from ._guards import COUNTER
@@ -203,6 +203,37 @@ def _check_graph(gm: fx.GraphModule, config: Config, record) -> None:
     gm.recompile()
 
 
+def _flag_graph(gm: fx.GraphModule, config: Config, record, sites: list) -> None:
+    """The compiled check mode: after every op of the rule table, a device-side flag; the
+    index of the first op that made a NaN/Inf becomes an extra graph output (no sync per op)."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    checked_nodes = []
+    for node in nodes:
+        hit = match(node, gm)
+        if hit is None or not hit[0].guarded or node.op == "call_module":
+            continue
+        rule, sp = hit
+        path, cls = module_path(node)
+        frame = user_frame(node.meta.get("stack_trace"))
+        sites.append(Site(rule.name, sp.name, path, cls, frame[0] if frame else None,
+                          frame[1] if frame else None))
+        checked_nodes.append(node)
+        record(node, node.name, rule.name, sp.name, "checked",
+               "flags a NaN/Inf on the device; one sync per call", rule.reason)
+    output = next(n for n in nodes if n.op == "output")
+    with graph.inserting_before(output):
+        first = graph.call_function(torch.full, ((), len(sites)), {"dtype": torch.int64})
+        for i, node in enumerate(checked_nodes):
+            inputs = [a for a in node.all_input_nodes]
+            bad = graph.call_function(created_flag, (node, *inputs))
+            first = graph.call_function(first_flag, (first, bad, i, len(sites)))
+    outs = output.args[0]
+    output.args = ((*outs, first) if isinstance(outs, (tuple, list)) else (outs, first),)
+    graph.lint()
+    gm.recompile()
+
+
 def _static_non_float(node: fx.Node) -> str | None:
     """Why the operands are known not to be floating tensors, from the graph alone."""
     if node.all_input_nodes and all(_is_shape_arith(a) for a in node.args):
@@ -216,7 +247,8 @@ def _static_non_float(node: fx.Node) -> str | None:
     return None
 
 
-def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None) -> list[Change]:
+def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
+            sites: list | None = None) -> list[Change]:
     """Rewrite ``gm`` in place; return one Change per op looked at. With ``config.count``,
     each guard gets a Counter, appended to ``counters``."""
     changes: list[Change] = []
@@ -253,7 +285,10 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None) ->
                description, "exact stable form: the naive form loses the value or overflows")
 
     if config.mode in ("check", "warn"):
-        _check_graph(gm, config, record)
+        if sites is not None:  # compiled: flags on the device
+            _flag_graph(gm, config, record, sites)
+        else:
+            _check_graph(gm, config, record)
         return changes
 
     if config.stable:
@@ -327,11 +362,12 @@ class GraphRecord:
     counters: tuple = ()  # guard statistics, with count=True
 
 
-def rewrite_and_record(gm: fx.GraphModule, config: Config, capture: str, example_inputs=()) -> GraphRecord:
+def rewrite_and_record(gm: fx.GraphModule, config: Config, capture: str, example_inputs=(),
+                       sites: list | None = None) -> GraphRecord:
     t = time.perf_counter()
     before = gm.code
     counters: list = []
-    changes = rewrite(gm, config, counters)
+    changes = rewrite(gm, config, counters, sites)
     params = tuple(weakref.ref(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
     return GraphRecord(capture, before, gm.code, changes, time.perf_counter() - t, params,
                        counters=tuple(counters))

@@ -114,9 +114,31 @@ class LogModel(nn.Module):
         return torch.log(x)
 
 
-def test_backend_check_mode_needs_eager():
-    with pytest.raises(nanpass.ConfigError, match="^nanpass: mode='check' checks each op eagerly"):
-        nanpass.backend(mode="check")
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        h = self.fc(x).masked_fill(mask, float("-inf"))
+        return torch.log(torch.softmax(h, -1) + 1e-3).sum()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_compiled_check_mode_flags_on_the_device(inner):
+    """Under a real compiler: a flag per op fused into the graph, one sync per call."""
+    be = nanpass.backend(inner=inner, mode="check")
+    compiled = torch.compile(Masked(), backend=be)
+    x = torch.randn(2, 4, requires_grad=True)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[0, :2] = True  # a partial -inf mask: fine
+    compiled(x, mask).backward()
+    assert torch.isfinite(x.grad).all()
+    mask[1] = True  # a row with no finite entry: softmax makes NaN
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: NaN or Inf created by torch.softmax in <root> at "
+                                                     r".*test_check.py:\d+: .*found by the compiled check"):
+        compiled(x, mask)
+    assert all(c.action == "checked" for c in be.changes)
 
 
 class Layer(nn.Module):
