@@ -167,6 +167,14 @@ def make_checker(rule: Rule, sp: Spelling, where: Site, warn: bool):
     return check
 
 
+def _site(node: fx.Node, gm: fx.GraphModule, rule: Rule, sp: Spelling) -> Site:
+    path, cls = module_path(node)
+    if node.op == "call_module":
+        cls = type(gm.get_submodule(path)).__name__
+    frame = user_frame(node.meta.get("stack_trace"))
+    return Site(rule.name, sp.name, path, cls, frame[0] if frame else None, frame[1] if frame else None)
+
+
 def _check_graph(gm: fx.GraphModule, config: Config, record) -> None:
     """Replace every op of the rule table by its checker; check the inputs for NaN."""
     graph = gm.graph
@@ -182,12 +190,7 @@ def _check_graph(gm: fx.GraphModule, config: Config, record) -> None:
         if hit is None or not hit[0].guarded:
             continue
         rule, sp = hit
-        path, cls = module_path(node)
-        if node.op == "call_module":
-            cls = type(gm.get_submodule(path)).__name__
-        frame = user_frame(node.meta.get("stack_trace"))
-        where = Site(rule.name, sp.name, path, cls, frame[0] if frame else None,
-                     frame[1] if frame else None)
+        where = _site(node, gm, rule, sp)
         with graph.inserting_before(node):
             args = node.args
             if sp.kind == "module":
@@ -214,10 +217,7 @@ def _flag_graph(gm: fx.GraphModule, config: Config, record, sites: list) -> None
         if hit is None or not hit[0].guarded or node.op == "call_module":
             continue
         rule, sp = hit
-        path, cls = module_path(node)
-        frame = user_frame(node.meta.get("stack_trace"))
-        sites.append(Site(rule.name, sp.name, path, cls, frame[0] if frame else None,
-                          frame[1] if frame else None))
+        sites.append(_site(node, gm, rule, sp))
         checked_nodes.append(node)
         record(node, node.name, rule.name, sp.name, "checked",
                "flags a NaN/Inf on the device; one sync per call", rule.reason)
