@@ -28,5 +28,8 @@ from ._shapes import check_shapes as check_shapes
 from ._stats import GuardWarning as GuardWarning
 from ._stats import Stats as Stats
 from ._stats import stats as stats
+from ._train import StepGuard as StepGuard
+from ._train import finite_mean as finite_mean
+from ._train import finite_sum as finite_sum
 
 __version__ = "0.1.0"

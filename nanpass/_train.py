@@ -1,0 +1,135 @@
+"""Training-loop safety: skip a step whose gradients are not finite, clip the norm of the
+gradients of *this* step, and average a per-sample loss over its finite entries only.
+
+The common advice gets this subtly wrong: clipping before ``loss.backward()`` clips last
+step's gradients; ``torch.isnan(loss)`` misses an Inf loss and a NaN that appears only in the
+gradients; ``continue`` on one rank of a DDP job desynchronises the others. ``StepGuard``
+checks every gradient with one fused device-side reduction (``torch._foreach_norm``), all-reduces
+the verdict so every rank skips together (as ``torch.amp.GradScaler`` does with ``found_inf``),
+and reads it back once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._check import NonFiniteError, describe
+
+Tensor = torch.Tensor
+
+
+class StepGuard:
+    """Call ``guard.step()`` where you would call ``optimizer.step()`` (after ``backward()``).
+
+    >>> import torch, nanpass
+    >>> model = torch.nn.Linear(2, 1)
+    >>> guard = nanpass.StepGuard(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0)
+    >>> model(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+    >>> guard.step(), guard.skipped
+    (False, 1)
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None,
+                 norm_type: float = 2.0, sync: bool = True, max_consecutive_skips: int | None = 100,
+                 model: torch.nn.Module | None = None):
+        self.optimizer = optimizer
+        self.max_norm = max_norm
+        self.norm_type = float(norm_type)
+        self.sync = sync
+        self.max_consecutive_skips = max_consecutive_skips
+        self.names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self.taken = 0
+        self.skipped = 0
+        self.consecutive = 0
+        self.last_skip_reason: str | None = None
+        self._last_norm: Tensor | None = None  # read lazily: no second sync per step
+
+    def _grads(self) -> list[tuple[Tensor, Tensor]]:
+        return [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def step(self, closure=None) -> bool:
+        """Check, clip and step; return whether the step was taken."""
+        pairs = self._grads()
+        if not pairs:
+            return self._take(closure)
+        grads = [g for _, g in pairs]
+        norms = torch._foreach_norm(grads, self.norm_type)  # one fused pass over every gradient
+        total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]),
+                                         self.norm_type)
+        found = (~torch.isfinite(total)).to(torch.float32)
+        if self.sync and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank skips together
+        if self.max_norm is not None:
+            # clip the gradients of this step; a non-finite total makes the coefficient 0 here,
+            # and the step is skipped anyway
+            coef = torch.where(torch.isfinite(total), self.max_norm / (total + 1e-6),
+                               torch.zeros_like(total)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        if bool(found.item()):  # the one host sync per step
+            return self._skip(pairs, norms)
+        self._last_norm = total
+        return self._take(closure)
+
+    @property
+    def last_norm(self) -> float | None:
+        """The total gradient norm of the last step taken (before clipping)."""
+        return None if self._last_norm is None else float(self._last_norm)
+
+    def _take(self, closure) -> bool:
+        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.taken += 1
+        self.consecutive = 0
+        return True
+
+    def _skip(self, pairs, norms) -> bool:
+        bad = [(p, g) for (p, g), n in zip(pairs, norms, strict=True) if not bool(torch.isfinite(n))]
+        if bad:
+            p, g = bad[0]
+            name = self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+            reason = f"non-finite gradient in {name} ({describe(g)})"
+            if len(bad) > 1:
+                reason += f" and {len(bad) - 1} more parameters"
+        else:
+            reason = "another rank had a non-finite gradient"
+        self.skipped += 1
+        self.consecutive += 1
+        self.last_skip_reason = reason
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.max_consecutive_skips is not None and self.consecutive >= self.max_consecutive_skips:
+            raise NonFiniteError(
+                f"nanpass: {self.consecutive} optimizer steps skipped in a row; last: {reason}. "
+                "Find the cause with nanpass.locate(model, *inputs, loss_fn=...)"
+            )
+        return False
+
+    def state_dict(self) -> dict:
+        return {"taken": self.taken, "skipped": self.skipped, "consecutive": self.consecutive}
+
+    def __repr__(self) -> str:
+        return (f"nanpass.StepGuard(taken={self.taken}, skipped={self.skipped}, "
+                f"last_skip_reason={self.last_skip_reason!r})")
+
+
+def _finite_reduce(x: Tensor, mean: bool, return_dropped: bool):
+    ok = torch.isfinite(x)
+    # where before the reduction: the gradient of a dropped entry is exactly 0, never 0 * inf
+    safe = torch.where(ok, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    total = safe.sum()
+    if mean:
+        total = total / ok.sum().clamp(min=1).to(x.dtype)
+    if return_dropped:
+        dropped = (~ok).reshape(x.shape[0], -1).any(1).nonzero().flatten() if x.dim() else (~ok).nonzero()
+        return total, dropped
+    return total
+
+
+def finite_mean(per_sample: Tensor, return_dropped: bool = False):
+    """Mean of the finite entries of a per-sample loss (0, with zero gradients, when none is
+    finite); with ``return_dropped=True`` also the batch indices that were left out."""
+    return _finite_reduce(per_sample, True, return_dropped)
+
+
+def finite_sum(per_sample: Tensor, return_dropped: bool = False):
+    """Sum of the finite entries of a per-sample loss; see ``finite_mean``."""
+    return _finite_reduce(per_sample, False, return_dropped)

@@ -1,0 +1,112 @@
+"""Training-loop safety on one process: StepGuard and finite_mean."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nanpass
+
+
+def batches(n: int = 200, poison_every: int = 20):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 1, generator=g)
+    for step in range(n):
+        x = torch.randn(16, 8, generator=g)
+        y = x @ w + 0.01 * torch.randn(16, 1, generator=g)
+        kind = None
+        if step % poison_every == poison_every - 1:
+            kind = ("nan-sample", "inf-loss", "huge-grad")[(step // poison_every) % 3]
+        yield x, y, kind
+
+
+def loss_of(model, x, y, kind):
+    if kind == "nan-sample":
+        x = x.clone()
+        x[3, 2] = float("nan")
+    loss = ((model(x) - y) ** 2).mean()
+    if kind == "inf-loss":
+        loss = loss * float("inf")
+    if kind == "huge-grad":
+        loss = loss * 1e38 * 1e38  # the gradient overflows to inf
+    return loss
+
+
+def train(model, guard=None, skip_poisoned=False):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if guard is not None:
+        guard = nanpass.StepGuard(opt, model=model, max_consecutive_skips=5)
+    for x, y, kind in batches():
+        if skip_poisoned and kind is not None:
+            continue
+        opt.zero_grad()
+        loss_of(model, x, y, kind).backward()
+        (guard or opt).step()
+    return guard
+
+
+def test_guarded_run_matches_the_clean_run():
+    torch.manual_seed(0)
+    base = nn.Linear(8, 1)
+    clean, guarded, plain = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    train(clean, skip_poisoned=True)
+    guard = train(guarded, guard=True)
+    train(plain)
+    assert guard.skipped == 10 and guard.taken == 190
+    for a, b in zip(clean.parameters(), guarded.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert not all(torch.isfinite(p).all() for p in plain.parameters())  # without it: NaN weights
+    assert "non-finite gradient in" in guard.last_skip_reason
+
+
+def test_clipping_uses_this_steps_gradients():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nanpass.StepGuard(opt, max_norm=0.5)
+    model(torch.randn(8, 4)).pow(2).sum().backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert guard.step()
+    assert guard.last_norm == pytest.approx(float(expected), rel=1e-5)
+    moved = torch.linalg.vector_norm(torch.stack([(p - b).norm() for p, b in zip(model.parameters(), before, strict=True)]))
+    assert float(moved) == pytest.approx(0.1 * 0.5, rel=1e-3)  # lr x clipped norm
+
+
+def test_repeated_skips_raise_with_the_parameter_named():
+    model = nn.Sequential(nn.Linear(2, 2))
+    guard = nanpass.StepGuard(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                              max_consecutive_skips=3)
+    for i in range(3):
+        model(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+        if i < 2:
+            assert guard.step() is False
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: 3 optimizer steps skipped in a row; "
+                                                      r"last: non-finite gradient in 0.weight"):
+        guard.step()
+
+
+class Div(nn.Module):
+    def forward(self, x):
+        return x[:, 0] / x[:, 1]
+
+
+def test_finite_mean_drops_bad_samples_with_finite_gradients():
+    per_sample = torch.tensor([1.0, float("nan"), float("inf"), 4.0], requires_grad=True)
+    mean, dropped = nanpass.finite_mean(per_sample, return_dropped=True)
+    assert mean.item() == pytest.approx((1.0 + 4.0) / 2)
+    assert dropped.tolist() == [1, 2]
+    mean.backward()
+    assert per_sample.grad.tolist() == [0.5, 0.0, 0.0, 0.5]  # exactly 0, never 0 * inf
+    # with a hardened model upstream, the dropped samples' own gradients are finite too
+    model = nanpass.harden(Div())
+    x = torch.tensor([[1.0, 0.0], [2.0, 1.0]], requires_grad=True)
+    nanpass.finite_mean(model(x)).backward()
+    assert torch.isfinite(x.grad).all()
+    # every sample bad: zero loss, zero gradients
+    y = torch.tensor([float("inf"), float("nan")], requires_grad=True)
+    total = nanpass.finite_sum(y)
+    total.backward()
+    assert total.item() == 0 and y.grad.tolist() == [0.0, 0.0]
