@@ -53,12 +53,19 @@ class StepGuard:
         pairs = self._grads()
         if not pairs:
             return self._take(closure)
-        grads = [g for _, g in pairs]
+        # FSDP2 gradients are DTensor shards: work on the local shard, sum the norms over ranks
+        sharded = any(hasattr(g, "to_local") for _, g in pairs)
+        grads = [g.to_local() if hasattr(g, "to_local") else g for _, g in pairs]
         norms = torch._foreach_norm(grads, self.norm_type)  # one fused pass over every gradient
         total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]),
                                          self.norm_type)
+        distributed = self.sync and dist.is_available() and dist.is_initialized()
+        if distributed and sharded:
+            powered = total.pow(self.norm_type)
+            dist.all_reduce(powered, op=dist.ReduceOp.SUM)
+            total = powered.pow(1.0 / self.norm_type)
         found = (~torch.isfinite(total)).to(torch.float32)
-        if self.sync and dist.is_available() and dist.is_initialized():
+        if distributed:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank skips together
         if self.max_norm is not None:
             # clip the gradients of this step; a non-finite total makes the coefficient 0 here,
@@ -84,6 +91,7 @@ class StepGuard:
 
     def _skip(self, pairs, norms) -> bool:
         bad = [(p, g) for (p, g), n in zip(pairs, norms, strict=True) if not bool(torch.isfinite(n))]
+        bad = [(p, g.to_local() if hasattr(g, "to_local") else g) for p, g in bad]
         if bad:
             p, g = bad[0]
             name = self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
