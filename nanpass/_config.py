@@ -53,6 +53,7 @@ class Config:
     inner: str = "inductor"  # backend only
     shape_checks: bool = False  # backend: shapes of the first compile are enforced on recompiles
     count: bool = False  # guard statistics: elements each guard changed
+    quarantine: bool = False  # harden: rows with non-finite inputs are zeroed in, marked NaN out
     dynamic_dims: tuple[tuple[int, str], ...] = ((0, "batch"),)
 
     def excluded(self, module_path: str) -> bool:
@@ -114,6 +115,7 @@ def make_config(
     shape_checks: bool = False,
     dynamic_dims: Mapping[int, str] | None = None,
     count: bool = False,
+    quarantine: bool = False,
     module_paths: Iterable[str] | None = None,
 ) -> Config:
     if mode not in MODES:
@@ -169,6 +171,7 @@ def make_config(
         stable=bool(stable),
         shape_checks=bool(shape_checks),
         count=bool(count) or mode == "guard+check",
+        quarantine=bool(quarantine),
         dynamic_dims=tuple(sorted(dynamic_dims_of(dynamic_dims).items())),
         inner=inner,
     )

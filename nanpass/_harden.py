@@ -27,6 +27,7 @@ from ._shapes import (
     record_shapes,
 )
 from ._stats import warn_fired
+from ._train import quarantine_call
 
 
 class Hardened(torch.nn.Module):
@@ -164,6 +165,12 @@ class Hardened(torch.nn.Module):
         mode = self._nanpass_config.mode
         if mode == "off":
             return model(*args, **kwargs)
+        if self._nanpass_config.quarantine:
+            return quarantine_call(self._forward_mode, args, kwargs)
+        return self._forward_mode(*args, **kwargs)
+
+    def _forward_mode(self, *args, **kwargs):
+        mode = self._nanpass_config.mode
         if mode == "guard+check":
             counters = [c for g in self.graphs for c in g.counters]
             before = [c.calls for c in counters]
@@ -263,6 +270,7 @@ def harden(
     shape_checks: bool = False,
     dynamic_dims: Mapping[int, str] | None = None,
     count: bool = False,
+    quarantine: bool = False,
 ) -> Hardened:
     """Return ``model`` with every numerically unsafe op guarded, forward and backward.
 
@@ -279,6 +287,9 @@ def harden(
     ``example_inputs`` (the positional arguments of one call, or a list of such tuples) and
     inserts asserts that name the layer a wrongly shaped tensor enters. Dims that differ between
     examples, or that ``dynamic_dims`` declares on the inputs (default ``{0: "batch"}``), are free.
+
+    ``quarantine=True`` replaces every batch row with a NaN/Inf in an input by zeros before the
+    model and marks that row NaN in the outputs, for ``nanpass.finite_mean`` to drop.
 
     ``count=True`` keeps, per guard, how many elements it changed (on the device, no sync per
     op): ``nanpass.stats(model)``.
@@ -297,7 +308,7 @@ def harden(
         )
     config = make_config(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
-        stable=stable, count=count, module_paths=[name for name, _ in model.named_modules()],
+        stable=stable, count=count, quarantine=quarantine, module_paths=[name for name, _ in model.named_modules()],
     )
     shapes = None
     if shape_checks:

@@ -32,8 +32,9 @@ class StepGuard:
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None,
                  norm_type: float = 2.0, sync: bool = True, max_consecutive_skips: int | None = 100,
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None, skip_zero: bool = True):
         self.optimizer = optimizer
+        self.skip_zero = skip_zero
         self.max_norm = max_norm
         self.norm_type = float(norm_type)
         self.sync = sync
@@ -44,6 +45,7 @@ class StepGuard:
         self.consecutive = 0
         self.last_skip_reason: str | None = None
         self._last_norm: Tensor | None = None  # read lazily: no second sync per step
+        self._last_total_zero = False
 
     def _grads(self) -> list[tuple[Tensor, Tensor]]:
         return [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -64,7 +66,10 @@ class StepGuard:
             powered = total.pow(self.norm_type)
             dist.all_reduce(powered, op=dist.ReduceOp.SUM)
             total = powered.pow(1.0 / self.norm_type)
-        found = (~torch.isfinite(total)).to(torch.float32)
+        found = ~torch.isfinite(total)
+        if self.skip_zero:  # every gradient exactly 0: no finite sample in the batch
+            found = found | (total == 0)
+        found = found.to(torch.float32)
         if distributed:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank skips together
         if self.max_norm is not None:
@@ -74,6 +79,7 @@ class StepGuard:
                                torch.zeros_like(total)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         if bool(found.item()):  # the one host sync per step
+            self._last_total_zero = bool(total == 0)
             return self._skip(pairs, norms)
         self._last_norm = total
         return self._take(closure)
@@ -98,6 +104,8 @@ class StepGuard:
             reason = f"non-finite gradient in {name} ({describe(g)})"
             if len(bad) > 1:
                 reason += f" and {len(bad) - 1} more parameters"
+        elif self._last_total_zero:
+            reason = "every gradient is exactly 0 (no finite sample in the batch?)"
         else:
             reason = "another rank had a non-finite gradient"
         self.skipped += 1
@@ -141,3 +149,43 @@ def finite_mean(per_sample: Tensor, return_dropped: bool = False):
 def finite_sum(per_sample: Tensor, return_dropped: bool = False):
     """Sum of the finite entries of a per-sample loss; see ``finite_mean``."""
     return _finite_reduce(per_sample, False, return_dropped)
+
+
+def _rows_bad(t: Tensor) -> Tensor:
+    return ~torch.isfinite(t).reshape(t.shape[0], -1).all(1)
+
+
+def quarantine_call(fn, args: tuple, kwargs: dict):
+    """Run ``fn`` with every batch row that holds a NaN/Inf in any floating input replaced by
+    zeros, then mark those rows of every floating output NaN: the model never computes on the
+    bad data (so its gradients stay finite) and ``finite_mean`` drops the marked rows with
+    exactly zero gradient."""
+    floats = [a for a in (*args, *kwargs.values())
+              if isinstance(a, Tensor) and a.is_floating_point() and a.dim() > 0]
+    if not floats:
+        return fn(*args, **kwargs)
+    batch = floats[0].shape[0]
+    bad = torch.zeros(batch, dtype=torch.bool, device=floats[0].device)
+    for a in floats:
+        if a.shape[0] == batch:
+            bad = bad | _rows_bad(a)
+
+    def clean(a):
+        if isinstance(a, Tensor) and a.is_floating_point() and a.dim() > 0 and a.shape[0] == batch:
+            return torch.where(bad.reshape(-1, *[1] * (a.dim() - 1)), torch.zeros((), dtype=a.dtype), a)
+        return a
+
+    out = fn(*[clean(a) for a in args], **{k: clean(v) for k, v in kwargs.items()})
+
+    def mark(o):
+        if isinstance(o, Tensor) and o.is_floating_point() and o.dim() > 0 and o.shape[0] == batch:
+            return torch.where(bad.reshape(-1, *[1] * (o.dim() - 1)), torch.full((), float("nan"), dtype=o.dtype), o)
+        if isinstance(o, tuple):
+            return tuple(mark(x) for x in o)
+        if isinstance(o, list):
+            return [mark(x) for x in o]
+        if isinstance(o, dict):
+            return {k: mark(v) for k, v in o.items()}
+        return o
+
+    return mark(out)

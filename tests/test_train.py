@@ -110,3 +110,38 @@ def test_finite_mean_drops_bad_samples_with_finite_gradients():
     total = nanpass.finite_sum(y)
     total.backward()
     assert total.item() == 0 and y.grad.tolist() == [0.0, 0.0]
+
+
+def test_quarantine_keeps_bad_samples_out_of_the_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(6, 4)
+    y = torch.randn(6, 1)
+    bad = x.clone()
+    bad[2, 1] = float("nan")
+    bad[4, 0] = float("inf")
+    safe = nanpass.harden(model, quarantine=True)
+    per_sample = ((safe(bad) - y) ** 2).squeeze(1)
+    assert torch.isnan(per_sample[[2, 4]]).all() and torch.isfinite(per_sample[[0, 1, 3, 5]]).all()
+    loss, dropped = nanpass.finite_mean(per_sample, return_dropped=True)
+    assert dropped.tolist() == [2, 4]
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    keep = torch.tensor([0, 1, 3, 5])
+    ((model(x[keep]) - y[keep]) ** 2).mean().backward()  # the clean samples alone
+    for g, want in zip(got, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(g, want)
+
+
+def test_a_batch_with_no_finite_sample_is_skipped():
+    model = nn.Linear(4, 1)
+    guard = nanpass.StepGuard(torch.optim.Adam(model.parameters()), model=model)
+    safe = nanpass.harden(model, quarantine=True)
+    x = torch.full((3, 4), float("nan"))
+    loss = nanpass.finite_mean(safe(x).squeeze(1))
+    assert loss.item() == 0
+    loss.backward()
+    assert all((p.grad == 0).all() for p in model.parameters())
+    assert guard.step() is False and guard.skipped == 1
+    assert guard.last_skip_reason.startswith("every gradient is exactly 0")
