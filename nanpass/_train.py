@@ -32,9 +32,11 @@ class StepGuard:
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None,
                  norm_type: float = 2.0, sync: bool = True, max_consecutive_skips: int | None = 100,
-                 model: torch.nn.Module | None = None, skip_zero: bool = True):
+                 model: torch.nn.Module | None = None, skip_zero: bool = True,
+                 scaler: torch.amp.GradScaler | None = None):
         self.optimizer = optimizer
         self.skip_zero = skip_zero
+        self.scaler = scaler
         self.max_norm = max_norm
         self.norm_type = float(norm_type)
         self.sync = sync
@@ -51,7 +53,15 @@ class StepGuard:
         return [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def step(self, closure=None) -> bool:
-        """Check, clip and step; return whether the step was taken."""
+        """Check, clip and step; return whether the step was taken. With a GradScaler, the
+        gradients are unscaled first and ``scaler.step``/``scaler.update`` run as usual, so
+        the scale still backs off on overflow."""
+        if self.scaler is not None and self.scaler.is_enabled():
+            try:
+                self.scaler.unscale_(self.optimizer)
+            except RuntimeError as e:  # the user unscaled already (to clip, say): fine
+                if "already been called" not in str(e):
+                    raise
         pairs = self._grads()
         if not pairs:
             return self._take(closure)
@@ -90,7 +100,13 @@ class StepGuard:
         return None if self._last_norm is None else float(self._last_norm)
 
     def _take(self, closure) -> bool:
-        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if self.scaler is not None and self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif closure is not None:
+            self.optimizer.step(closure)
+        else:
+            self.optimizer.step()
         self.taken += 1
         self.consecutive = 0
         return True
@@ -111,6 +127,8 @@ class StepGuard:
         self.skipped += 1
         self.consecutive += 1
         self.last_skip_reason = reason
+        if self.scaler is not None and self.scaler.is_enabled():
+            self.scaler.update()  # its found_inf from unscale_ backs the scale off
         self.optimizer.zero_grad(set_to_none=True)
         if self.max_consecutive_skips is not None and self.consecutive >= self.max_consecutive_skips:
             raise NonFiniteError(

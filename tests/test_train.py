@@ -145,3 +145,26 @@ def test_a_batch_with_no_finite_sample_is_skipped():
     assert all((p.grad == 0).all() for p in model.parameters())
     assert guard.step() is False and guard.skipped == 1
     assert guard.last_skip_reason.startswith("every gradient is exactly 0")
+
+
+def test_composes_with_grad_scaler():
+    model = nn.Linear(4, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    guard = nanpass.StepGuard(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0,
+                              scaler=scaler, model=model)
+    x = torch.randn(8, 4)
+    scaler.scale(model(x).pow(2).mean()).backward()
+    w0 = model.weight.detach().clone()
+    assert guard.step() is True and not torch.equal(model.weight, w0)
+    assert guard.last_norm <= 1e4  # unscaled before the norm is taken
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    guard.optimizer.zero_grad()
+    scaler.scale(model(bad).pow(2).mean()).backward()
+    w1 = model.weight.detach().clone()
+    assert guard.step() is False and torch.equal(model.weight, w1)
+    assert scaler.get_scale() == 2.0**9  # the scaler still backed off
+    guard.optimizer.zero_grad()
+    scaler.scale(model(x).pow(2).mean()).backward()
+    scaler.unscale_(guard.optimizer)  # a user who unscales first
+    assert guard.step() is True
