@@ -168,3 +168,14 @@ def test_composes_with_grad_scaler():
     scaler.scale(model(x).pow(2).mean()).backward()
     scaler.unscale_(guard.optimizer)  # a user who unscales first
     assert guard.step() is True
+
+
+def test_composes_with_a_fused_optimizer():
+    model = nn.Linear(4, 1)
+    guard = nanpass.StepGuard(torch.optim.Adam(model.parameters(), fused=True), model=model)
+    model(torch.randn(3, 4)).sum().backward()
+    assert guard.step() is True
+    model(torch.tensor([[float("nan"), 1.0, 1.0, 1.0]])).sum().backward()
+    w = model.weight.detach().clone()
+    assert guard.step() is False and torch.equal(model.weight, w)
+    assert guard.last_skip_reason.startswith("non-finite gradient in weight")
