@@ -42,8 +42,10 @@ class StepGuard:
         self.sync = sync
         self.max_consecutive_skips = max_consecutive_skips
         self.names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        self.taken = 0
-        self.skipped = 0
+        self._taken = 0
+        self._skipped = 0
+        self._pending: Tensor | None = None  # fused path: skips not read back yet
+        self._pending_calls = 0
         self.consecutive = 0
         self.last_skip_reason: str | None = None
         self._last_norm: Tensor | None = None  # read lazily: no second sync per step
@@ -52,10 +54,12 @@ class StepGuard:
     def _grads(self) -> list[tuple[Tensor, Tensor]]:
         return [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
-    def step(self, closure=None) -> bool:
+    def step(self, closure=None) -> bool | None:
         """Check, clip and step; return whether the step was taken. With a GradScaler, the
         gradients are unscaled first and ``scaler.step``/``scaler.update`` run as usual, so
-        the scale still backs off on overflow."""
+        the scale still backs off on overflow. With an optimizer that takes the verdict as a
+        tensor (``fused=True``) and ``max_consecutive_skips=None``, nothing is read back: the
+        step returns None and ``taken``/``skipped`` are settled when read."""
         if self.scaler is not None and self.scaler.is_enabled():
             try:
                 self.scaler.unscale_(self.optimizer)
@@ -88,11 +92,45 @@ class StepGuard:
             coef = torch.where(torch.isfinite(total), self.max_norm / (total + 1e-6),
                                torch.zeros_like(total)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        if self._device_verdict(closure):
+            # the optimizer takes the verdict as a tensor (fused Adam/SGD/Adagrad skip the update
+            # on the device, as under GradScaler): no host sync at all
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, found
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+            self._pending = found if self._pending is None else self._pending + found
+            self._pending_calls += 1
+            return None
         if bool(found.item()):  # the one host sync per step
             self._last_total_zero = bool(total == 0)
             return self._skip(pairs, norms)
         self._last_norm = total
         return self._take(closure)
+
+    def _device_verdict(self, closure) -> bool:
+        return (getattr(self.optimizer, "_step_supports_amp_scaling", False) and closure is None
+                and (self.scaler is None or not self.scaler.is_enabled())
+                and self.max_consecutive_skips is None)
+
+    def _settle(self) -> None:
+        """Fold device-side verdicts into the counters (the only sync of the fused path)."""
+        if self._pending is not None:
+            skipped = int(self._pending.item())
+            self._skipped += skipped
+            self._taken += self._pending_calls - skipped
+            self._pending, self._pending_calls = None, 0
+
+    @property
+    def skipped(self) -> int:
+        self._settle()
+        return self._skipped
+
+    @property
+    def taken(self) -> int:
+        self._settle()
+        return self._taken
 
     @property
     def last_norm(self) -> float | None:
@@ -107,7 +145,7 @@ class StepGuard:
             self.optimizer.step(closure)
         else:
             self.optimizer.step()
-        self.taken += 1
+        self._taken += 1
         self.consecutive = 0
         return True
 
@@ -124,7 +162,7 @@ class StepGuard:
             reason = "every gradient is exactly 0 (no finite sample in the batch?)"
         else:
             reason = "another rank had a non-finite gradient"
-        self.skipped += 1
+        self._skipped += 1
         self.consecutive += 1
         self.last_skip_reason = reason
         if self.scaler is not None and self.scaler.is_enabled():

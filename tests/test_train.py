@@ -179,3 +179,29 @@ def test_composes_with_a_fused_optimizer():
     w = model.weight.detach().clone()
     assert guard.step() is False and torch.equal(model.weight, w)
     assert guard.last_skip_reason.startswith("non-finite gradient in weight")
+
+
+def test_fused_optimizer_path_reads_nothing_back(monkeypatch):
+    model = nn.Linear(4, 1)
+    guard = nanpass.StepGuard(torch.optim.Adam(model.parameters(), fused=True), max_norm=1.0,
+                              max_consecutive_skips=None)
+
+    def no_sync(*a, **k):
+        raise AssertionError("host sync in the fused path")
+
+    model(torch.randn(3, 4)).sum().backward()
+    w0 = model.weight.detach().clone()
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "item", no_sync)
+        m.setattr(torch.Tensor, "__bool__", no_sync)
+        assert guard.step() is None
+    w1 = model.weight.detach().clone()
+    assert not torch.equal(w1, w0)
+    model.zero_grad()
+    model(torch.tensor([[float("nan"), 1.0, 1.0, 1.0]])).sum().backward()
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "item", no_sync)
+        m.setattr(torch.Tensor, "__bool__", no_sync)
+        guard.step()
+    assert torch.equal(model.weight, w1)  # skipped on the device
+    assert (guard.taken, guard.skipped) == (1, 1)  # settled when read
