@@ -8,6 +8,7 @@ Registered only through the ``torch_dynamo_backends`` entry point (pyproject.tom
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import weakref
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import torch.fx as fx
 from ._check import flagged
 from ._config import Config, make_config
 from ._errors import ConfigError
-from ._rewrite import Change, GraphRecord, rewrite_and_record
+from ._rewrite import Change, GraphRecord, rewrite, rewrite_and_record
 from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
 
 OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inner",
@@ -104,13 +105,17 @@ def compile_graph(
     of the graph and may mutate it, so the record is taken first)."""
     inner = inner or config.inner
     sites = [] if config.mode in ("check", "warn") and inner != "eager" else None
+    eager = None
+    if sites is not None:  # the same graph with the eager checkers, to name a backward op
+        eager = copy.deepcopy(gm)
+        rewrite(eager, config)
     record = rewrite_and_record(gm, config, "dynamo", example_inputs, sites)
     if config.shape_checks:
         record = _shape_checks(gm, record, config)
     (keep or _COMPILED.append)(record)
     compiled = _inner(inner, gm, example_inputs)
     if sites is not None:
-        compiled = flagged(compiled, sites, warn=config.mode == "warn")
+        compiled = flagged(compiled, sites, warn=config.mode == "warn", eager=eager)
     if _hashable(compiled):
         _BY_CALLABLE[compiled] = record
     return compiled

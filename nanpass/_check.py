@@ -238,8 +238,11 @@ def first_flag(first, bad, index: int, none: int):
 first_flag.__module__ = "nanpass"
 
 
-def flagged(compiled, sites: list, warn: bool):
-    """Wrap a compiled graph whose last output is the first bad op's index: one sync per call."""
+def flagged(compiled, sites: list, warn: bool, eager=None):
+    """Wrap a compiled graph whose last output is the first bad op's index: one sync per call.
+    Backward: one fused check of every input gradient, in a hook, once per backward; only when
+    it finds a NaN/Inf, the step is re-run eagerly through ``eager`` (the same graph with the
+    eager checkers) with the same upstream gradients, which names the op."""
     none = len(sites)
 
     def check(first):
@@ -251,9 +254,38 @@ def flagged(compiled, sites: list, warn: bool):
                           "nanpass.harden(model, mode='check') re-runs it eagerly with operand details)"),
                     warn)
 
+    def watch_backward(args, outs):
+        inputs = [a for a in args if isinstance(a, Tensor) and a.requires_grad]
+        watched = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
+        if eager is None or not inputs or not watched:
+            return
+        upstream: dict[int, Tensor] = {}
+        for k, o in enumerate(watched):
+            o.register_hook(lambda g, k=k: upstream.__setitem__(k, g))
+
+        def after(grads):
+            grads = [g for g in grads if g is not None and g.is_floating_point()]
+            if not grads:
+                return
+            norms = torch._foreach_norm(grads)
+            if bool(torch.isfinite(torch.stack([n.float() for n in norms]).sum())):  # one sync
+                return
+            replay = [a.detach().requires_grad_() if isinstance(a, Tensor) and a.requires_grad else a
+                      for a in args]
+            with torch.enable_grad():
+                again = [o for o in eager(*replay)
+                         if isinstance(o, Tensor) and o.requires_grad]
+                pairs = [(o, upstream[k]) for k, o in enumerate(again) if k in upstream]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+        torch.autograd.graph.register_multi_grad_hook(inputs, after)
+
     def run(*args):  # dynamo calls what a backend returns with the flat inputs
         outs = list(compiled(*args))
         check(outs.pop())
+        if torch.is_grad_enabled():
+            watch_backward(args, outs)
         return outs
 
     return run

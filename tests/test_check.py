@@ -237,3 +237,25 @@ def test_guard_plus_check_guards_and_says_which_fired():
         safe(torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0]))  # nothing fired: silent
     with pytest.raises(nanpass.ConfigError, match="^nanpass: mode='guard\\+check' keeps counters"):
         nanpass.backend(mode="guard+check")
+
+
+class Dist(nn.Module):
+    def forward(self, a, b):
+        return torch.sqrt(((a - b) ** 2).sum(-1)).sum()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_compiled_backward_check_names_the_op(inner):
+    """One fused check of the input gradients per backward; only on a hit, an eager replay
+    with the same upstream gradients names the op."""
+    compiled = torch.compile(Dist(), backend=nanpass.backend(inner=inner, mode="check"))
+    a = torch.randn(3, 4, requires_grad=True)
+    clean = compiled(a, torch.randn(3, 4))
+    clean.backward()
+    assert torch.isfinite(a.grad).all()
+    b = a.detach().clone()
+    b[1] += 1.0  # rows 0 and 2 identical: sqrt at 0, infinite gradient
+    out = compiled(a, b)
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: non-finite gradient created by the backward of "
+                                                     r"torch.sqrt in <root> at .*test_check.py:\d+"):
+        out.backward()
