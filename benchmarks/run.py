@@ -33,6 +33,47 @@ def encoder(n_layer: int = 4, d: int = 128):
     return nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
 
 
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                         nn.Linear(512, 10), nn.LogSoftmax(-1))
+
+
+def cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(32, 10), nn.Softmax(-1))
+
+
+class VAE(nn.Module):
+    def __init__(self, d: int = 256, z: int = 32):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(d, 256), nn.ReLU(), nn.Linear(256, 2 * z))
+        self.dec = nn.Sequential(nn.Linear(z, 256), nn.ReLU(), nn.Linear(256, d))
+
+    def forward(self, x):
+        mu, logvar = self.enc(x).chunk(2, -1)
+        zs = mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)
+        recon = ((self.dec(zs) - x) ** 2).mean()
+        return recon - 0.5 * (1 + logvar - mu**2 - logvar.exp()).sum(-1).mean()
+
+
+class FxBlock(nn.Module):
+    """A transformer block in plain torch code, which torch.fx can trace (for the pass time)."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.f1, self.f2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        x = x + self.o(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
+        h = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True) + 1e-5)
+        return x + self.f2(torch.nn.functional.gelu(self.f1(h)))
+
+
 def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict:
     """Median seconds per call of each fn, run round-robin so drift hits all alike."""
     for fn in fns.values():
@@ -116,6 +157,45 @@ def bench_compiled(model, batch, repeats, shapes=False):
     return out
 
 
+def bench_fx_pass(layers):
+    """harden() of a model torch.fx traces: wall time and time per graph node, by depth."""
+    nanpass.harden(nn.Sequential(FxBlock()))  # torch's one-time imports, not ours
+    rows = []
+    for n in layers:
+        model = nn.Sequential(*[FxBlock() for _ in range(n)])
+        t = time.perf_counter()
+        safe = nanpass.harden(model)
+        dt = time.perf_counter() - t
+        nodes = sum(len(g.code.splitlines()) for g in safe.graphs)
+        rows.append({"layers": n, "harden_s": dt, "graph_lines": nodes, "us_per_line": dt / nodes * 1e6})
+    return rows
+
+
+def bench_cold_compile(name: str):
+    """Compile time of inductor alone and of the nanpass backend, each in a fresh process with
+    an empty inductor cache, so neither benefits from the other's cache."""
+    import subprocess
+    import sys
+    import tempfile
+
+    out = {}
+    for backend in ("inductor", "nanpass"):
+        code = (
+            "import time, torch, sys; sys.path.insert(0, 'benchmarks'); import run, nanpass;"
+            f"m, b = run.MODELS['{name}'](); "
+            f"c = torch.compile(m, backend={'nanpass.backend()' if backend == 'nanpass' else repr('inductor')});"
+            "t = time.perf_counter(); run.train_step(c, b)(); print(time.perf_counter() - t)"
+        )
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                 timeout=900)
+        out[backend] = float(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else None
+    if out["inductor"] and out["nanpass"]:
+        out["ratio"] = out["nanpass"] / out["inductor"]
+    return out
+
+
 def bench_pass_time(layers):
     rows = []
     for n in layers:
@@ -131,6 +211,53 @@ def bench_pass_time(layers):
     return rows
 
 
+MODELS = {
+    "mlp": lambda: (mlp(), torch.randn(64, 256)),
+    "cnn": lambda: (cnn(), torch.randn(16, 3, 32, 32)),
+    "vae": lambda: (VAE(), torch.randn(64, 256)),
+    "transformer-encoder-4L": lambda: (encoder(), torch.randn(8, 64, 128)),
+    "gpt2-12L": lambda: (gpt2(12), (lambda ids: {"input_ids": ids, "labels": ids})(torch.randint(0, 1024, (4, 64)))),
+}
+
+
+def plots(results: dict, out_dir: str) -> list[str]:
+    """Overhead per model and harden() time by depth, as PNGs for the docs (if matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    import os
+
+    os.makedirs(out_dir, exist_ok=True)
+    names = list(results["eager"])
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [results["eager"][n]["train step"]["ratio"] for n in names], 0.4,
+           label="eager train step / plain")
+    if "compiled" in results:
+        ax.bar([x + 0.2 for x in xs], [results["compiled"][n]["ratio"] for n in names], 0.4,
+               label="compiled train step / inductor")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs), names, fontsize=8)
+    ax.set_ylabel("time ratio")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    a = os.path.join(out_dir, "overhead.png")
+    fig.savefig(a, dpi=120)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    rows = results["fx_pass"]
+    ax.plot([r["layers"] for r in rows], [r["harden_s"] * 1e3 for r in rows], "o-")
+    ax.set_xlabel("transformer blocks")
+    ax.set_ylabel("harden() ms")
+    fig.tight_layout()
+    b = os.path.join(out_dir, "harden_time.png")
+    fig.savefig(b, dpi=120)
+    return [a, b]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats, no inductor compile")
@@ -140,17 +267,16 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {"machine": f"{platform.machine()} {platform.processor() or ''} "
                           f"{torch.get_num_threads()} threads, torch {torch.__version__}".strip()}
-    ids = torch.randint(0, 1024, (4, 64))
-    models = {
-        "gpt2-12L": (gpt2(12), {"input_ids": ids, "labels": ids}),
-        "transformer-encoder-4L": (encoder(), torch.randn(8, 64, 128)),
-    }
+    models = {name: make() for name, make in MODELS.items()}
     results["eager"] = {name: bench_eager(name, m, b, repeats) for name, (m, b) in models.items()}
     results["check_mode"] = {name: bench_check_mode(m, b, repeats) for name, (m, b) in models.items()}
     if not args.quick:
         results["compiled"] = {name: bench_compiled(m, b, repeats, shapes=name.startswith("transformer"))
                                for name, (m, b) in models.items()}
     results["pass_time"] = bench_pass_time([1, 12] if args.quick else [1, 6, 12, 24, 48])
+    results["fx_pass"] = bench_fx_pass([1, 6, 12, 24, 48])
+    if not args.quick:
+        results["cold_compile"] = {n: bench_cold_compile(n) for n in ("mlp", "transformer-encoder-4L")}
 
     print(f"machine: {results['machine']}")
     print(f"{'model':26} {'what':16} {'plain ms':>10} {'nanpass ms':>11} {'ratio':>7}  notes")
@@ -168,6 +294,15 @@ def main():
               f"  vs inductor{extra}; compile {x['compile_s_inductor']:.1f}s vs {x['compile_s_nanpass']:.1f}s")
     for row in results["pass_time"]:
         print(f"harden + first call, GPT-2 {row['layers']:2d} layers: {row['capture_and_rewrite_s']:.2f} s")
+    for row in results["fx_pass"]:
+        print(f"harden() of an fx-traceable model, {row['layers']:2d} blocks: {row['harden_s'] * 1e3:7.1f} ms, "
+              f"{row['graph_lines']} graph lines, {row['us_per_line']:.1f} us per line")
+    for name, x in results.get("cold_compile", {}).items():
+        ratio = f"{x['ratio']:.2f}" if "ratio" in x else "n/a"
+        print(f"cold compile {name}: inductor {x['inductor']} s, nanpass {x['nanpass']} s, ratio {ratio}")
+    print("peak memory: needs a CUDA device (torch.cuda.max_memory_allocated); not measured on CPU")
+    for path in plots(results, "docs/img"):
+        print(f"wrote {path}")
     import os
 
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
