@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from _common import quick_flag, state
-
-import nanpass
+from _common import before_after, quick_flag
 
 
 class Focal(nn.Module):
@@ -25,16 +23,7 @@ class Focal(nn.Module):
 def main():
     quick_flag(__doc__)
     logits = torch.tensor([[40.0, -40.0], [0.3, -0.2], [-120.0, 120.0]], requires_grad=True)
-    target = torch.tensor([0, 1, 0])
-    loss = Focal()(logits, target)
-    loss.backward()
-    print(f"before: loss {loss.item():.4g}, grad {state(logits.grad)}")
-    logits.grad = None
-    safe = nanpass.harden(Focal())
-    loss = safe(logits, target)
-    loss.backward()
-    print(f"after:  loss {loss.item():.4g}, grad {state(logits.grad)}")
-    print(safe.summary())
+    before_after(Focal(), logits, torch.tensor([0, 1, 0]))
 
 
 if __name__ == "__main__":

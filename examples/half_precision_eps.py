@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from _common import quick_flag, state
-
-import nanpass
+from _common import before_after, quick_flag
 
 
 class Normalise(nn.Module):
@@ -24,15 +22,7 @@ def main():
     print(f"1e-8 in float16 is {torch.tensor(1e-8, dtype=torch.float16).item()}")
     x = torch.zeros(2, 4, dtype=torch.float16, requires_grad=True)
     p = torch.tensor([0.0, 0.5], dtype=torch.float16, requires_grad=True)
-    out = Normalise()(x, p)
-    out.backward()
-    print(f"before: value {state(out)}, grads {state(x.grad, p.grad)}")
-    x.grad = p.grad = None
-    safe = nanpass.harden(Normalise())
-    out = safe(x, p)
-    out.backward()
-    print(f"after:  value {state(out)}, grads {state(x.grad, p.grad)}")
-    print(safe.summary())
+    before_after(Normalise(), x, p)
 
 
 if __name__ == "__main__":
