@@ -281,7 +281,9 @@ def harden(
 
     ``ops`` / ``exclude_ops`` pick guarded ops by rule name (``nanpass.RULES``); ``exclude``
     leaves modules alone by path (``"encoder.layers.0"``); ``constants`` tightens a guard's
-    bounds (``{"log": {"lo": 1e-6}}``); ``mode="off"`` runs the original forward.
+    bounds (``{"log": {"lo": 1e-6}}``); ``mode="off"`` runs the original forward, ``"check"`` /
+    ``"warn"`` name the op where a NaN is born instead of guarding, ``"guard+check"`` guards
+    and warns once per call with the guards that fired.
 
     ``shape_checks=True`` records the shape of every intermediate value from
     ``example_inputs`` (the positional arguments of one call, or a list of such tuples) and

@@ -206,7 +206,7 @@ def _check_graph(gm: fx.GraphModule, config: Config, record) -> None:
     gm.recompile()
 
 
-def _flag_graph(gm: fx.GraphModule, config: Config, record, sites: list) -> None:
+def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
     """The compiled check mode: after every op of the rule table, a device-side flag; the
     index of the first op that made a NaN/Inf becomes an extra graph output (no sync per op)."""
     graph = gm.graph
@@ -286,7 +286,7 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
 
     if config.mode in ("check", "warn"):
         if sites is not None:  # compiled: flags on the device
-            _flag_graph(gm, config, record, sites)
+            _flag_graph(gm, record, sites)
         else:
             _check_graph(gm, config, record)
         return changes
