@@ -49,7 +49,7 @@ class Config:
     ops: frozenset[str] = frozenset(GUARDED)
     exclude: tuple[str, ...] = ()  # module paths whose ops are left alone
     constants: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
-    stable: bool = True  # apply the exact stable-form rewrites
+    stable: bool = False  # apply the exact stable-form rewrites (they change rounding: opt-in)
     inner: str = "inductor"  # backend only
     shape_checks: bool = False  # backend: shapes of the first compile are enforced on recompiles
     count: bool = False  # guard statistics: elements each guard changed
@@ -110,7 +110,7 @@ def make_config(
     exclude_ops: Iterable[str] = (),
     exclude: Iterable[str] = (),
     constants: Mapping[str, Mapping[str, float]] | None = None,
-    stable: bool = True,
+    stable: bool = False,
     inner: str = "inductor",
     shape_checks: bool = False,
     dynamic_dims: Mapping[int, str] | None = None,

@@ -365,10 +365,12 @@ def _index() -> tuple[dict, dict]:
                 continue
             op = "call_method" if sp.kind == "method" else "call_function"
             by_target.setdefault((op, sp.target), (rule, sp))
+        for attr, _, sp, swapped in _operator_calls(rule):  # dynamo writes x.__itruediv__(y)
+            if not swapped:
+                by_target.setdefault(("call_method", attr), (rule, sp))
     return by_target, by_module
 
 
-_BY_TARGET, _BY_MODULE = _index()
 
 
 def match(node, root: torch.nn.Module | None = None) -> tuple[Rule, Spelling] | None:
@@ -381,6 +383,45 @@ def match(node, root: torch.nn.Module | None = None) -> tuple[Rule, Spelling] | 
     if node.op == "call_module" and root is not None:
         return module_rule(root.get_submodule(node.target))
     return None
+
+
+def _operator_calls(rule: Rule) -> Iterator[tuple[str, object, Spelling, bool]]:
+    """Python operators as a TorchFunctionMode sees them: ``x / y`` arrives as a dunder
+    (``Tensor.__truediv__``, or ``Tensor.__rtruediv__`` for ``2 / x``, operands swapped)."""
+    for name in rule.operators:
+        op = _resolve(name)
+        dunder = op.__name__.strip("_")
+        for attr, swapped in ((f"__{dunder}__", False), (f"__r{dunder}__", True)):
+            fn = getattr(Tensor, attr, None)
+            if fn is not None:
+                yield attr, fn, Spelling("operator", name, fn, op if swapped else fn), swapped
+    for ip, op in rule.inplace_operators:
+        attr = f"__{_resolve(ip).__name__.strip('_')}__"
+        fn = getattr(Tensor, attr, None)
+        if fn is not None:
+            yield attr, fn, Spelling("operator", ip, fn, fn, _resolve(op)), False
+
+
+def _call_index() -> dict:
+    """func -> (Rule, Spelling, swapped): every callable a TorchFunctionMode can be handed
+    for a rule (functions, ``Tensor`` methods, operator dunders). Modules need no entry: their
+    forward calls one of these, which the mode sees."""
+    index: dict = {}
+    for rule in RULES:
+        if not (rule.guarded or rule.safe):
+            continue
+        for sp in rule.spellings():
+            if sp.kind == "function" and sp.name.startswith("torch.Tensor."):
+                continue  # the same object as the method spelling, named as users write it
+            if sp.kind in ("function", "method"):
+                index.setdefault(sp.call, (rule, sp, False))
+        for _, fn, sp, swapped in _operator_calls(rule):
+            index.setdefault(fn, (rule, sp, swapped))
+    return index
+
+
+CALLS: dict = _call_index()
+_BY_TARGET, _BY_MODULE = _index()
 
 
 def module_rule(module: torch.nn.Module) -> tuple[Rule, Spelling] | None:

@@ -436,3 +436,91 @@ def compare_shapes(gm, expected: dict[str, tuple], dynamic: dict[int, str] | Non
             raise ShapeError(
                 f"nanpass: shape mismatch entering {_describe(user, gm)}: expected "
                 f"{_format_expected(want)}, got {_shape(v)} \u2014 produced by {produced}")
+
+
+# -- harden(shape_checks=True): the inputs' shapes, checked on every call --------------------
+
+
+class _FirstUse(TorchFunctionMode):
+    """The first op that reads one tensor, for 'entering ...'."""
+
+    def __init__(self, target, found: list):
+        super().__init__()
+        self.target, self.found = target, found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.found and any(t is self.target for t in _tensors((args, kwargs))):
+            line = _caller()
+            name = getattr(func, "__name__", str(func))
+            self.found.append(f"{name}{' (' + _short(line) + ')' if line else ''}")
+        return func(*args, **(kwargs or {}))
+
+
+def first_use(model: nn.Module, args: tuple, kwargs: dict, target: Tensor) -> str:
+    """The layer or op a call's input first enters, found on fake tensors (no real compute)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    names = {m: n for n, m in model.named_modules()}
+    found: list[str] = []
+
+    def pre(module, a, k):
+        if not found and any(t is fake_target for t in _tensors((a, k))) and module is not model:
+            line = _caller()
+            found.append(f"{names.get(module) or '<root>'} "
+                         f"({type(module).__name__}{', ' + _short(line) if line else ''})")
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = {id(a): mode.from_tensor(a) for a in _tensors((args, kwargs))}
+    fake_target = fakes[id(target)]
+
+    def fake(x):
+        return fakes.get(id(x), x) if isinstance(x, Tensor) else x
+
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda m, a: pre(m, a, {}))
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with mode, _FirstUse(fake_target, found):
+            model(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
+    except Exception:  # noqa: S110 - a shape error after the first use is what we expect
+        pass
+    finally:
+        handle.remove()
+        quiet.setLevel(level)
+    return found[0] if found else type(model).__name__
+
+
+class InputShapes:
+    """The shapes of a model's tensor arguments over the examples; a dim that differs between
+    examples or is declared dynamic is free. Every other shape follows from the inputs, so
+    checking them on each call is enough; a mismatch names what the input enters first."""
+
+    def __init__(self, sig, examples: list[tuple], dynamic: dict[int, str]):
+        self.sig = sig
+        seen: dict[str, list[tuple]] = {}
+        for ex in examples:
+            bound = sig.bind(*ex)
+            for name, v in bound.arguments.items():
+                if isinstance(v, Tensor):
+                    seen.setdefault(name, []).append(tuple(int(s) for s in v.shape))
+        self.expected: dict[str, tuple] = {}
+        for name, shapes in seen.items():
+            merged = _merge(shapes) or tuple(None for _ in shapes[0])
+            self.expected[name] = tuple(None if i in dynamic else d for i, d in enumerate(merged))
+
+    def asserts(self) -> tuple[ShapeAssert, ...]:
+        return tuple(ShapeAssert(name, shape, "", f"input {name}") for name, shape in self.expected.items())
+
+    def check(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        bound = self.sig.bind(*args, **kwargs)
+        for name, want in self.expected.items():
+            t = bound.arguments.get(name)
+            if not isinstance(t, Tensor):
+                continue
+            if len(t.shape) == len(want) and all(w is None or s == w for s, w in zip(t.shape, want, strict=True)):
+                continue
+            entering = first_use(model, args, kwargs, t)
+            raise ShapeError(f"nanpass: shape mismatch entering {entering}: expected "
+                             f"{_format_expected(want)}, got {_shape(t)} \u2014 produced by input {name}")

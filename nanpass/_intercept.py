@@ -1,0 +1,239 @@
+"""Capture by interception: the user's forward runs exactly as written, and a
+``TorchFunctionMode`` swaps only the calls the rule table names for their guards.
+
+Why not a graph (docs/architecture.md, "Capture"): a traced graph is a second copy of the
+model that has to re-implement every piece of Python semantics (grad mode, autocast,
+checkpoint, hooks, module swaps, train/eval, attribute side effects, other methods) and
+silently loses what it does not. Here nothing is copied: every line of the user's Python runs
+as written, and only a call the table names goes to its guard, with the user's own arguments.
+
+A call site is the innermost module whose code made the call plus the user's source line;
+the first call at a site records its ``Change``. Everything here is per hardened model and per
+call: no global state, so many instances, threads and freeing work as for a plain module.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import linecache
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import _compat  # noqa: F401  (checkpoint recomputes under the guards)
+from ._check import Site, checked
+from ._config import Config
+from ._rewrite import Change, counted, make_guard
+from ._rules import CALLS, Rule, Spelling
+from ._stats import Counter
+
+Tensor = torch.Tensor
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NANPASS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+# the mode of the hardened call running in this thread/context (checkpoint's recompute reads it)
+ACTIVE: contextvars.ContextVar[GuardMode | None] = contextvars.ContextVar("nanpass_active", default=None)
+
+# frames where the walk for a call site stops: the hardened model's own entry points
+BOUNDARY: set = set()
+
+
+def boundary(fn: Callable) -> Callable:
+    """Mark ``fn`` as an entry point: frames above it are the caller's, not the model's."""
+    BOUNDARY.add(fn.__code__)
+    return fn
+
+
+def _float_operand(args, kwargs) -> bool:
+    for a in (*args, *kwargs.values()):  # noqa: SIM110 - runs on every guarded call
+        if isinstance(a, Tensor) and a.is_floating_point():
+            return True
+    return False
+
+
+class Sites:
+    """The call sites of one hardened model: what each does, and the Change it recorded."""
+
+    def __init__(self, model: torch.nn.Module, config: Config):
+        self.model = model
+        self.config = config
+        self.changes: list[Change] = []
+        self.counters: list[Counter] = []
+        self._runs: dict = {}  # site key -> the callable that runs the call
+        self._seen: set = set()  # (site key, action, reason) already recorded
+        self._paths: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    # -- where a call comes from ------------------------------------------------------------
+    def _path(self, module: torch.nn.Module | None) -> str | None:
+        if module is None:
+            return ""
+        path = self._paths.get(id(module))
+        if path is None:  # a module swapped in since the last look: look again
+            self._paths = {id(m): name for name, m in self.model.named_modules()}
+            path = self._paths.get(id(module))
+        return path
+
+    @staticmethod
+    def _where(depth: int):
+        """(innermost module whose code made the call, the user's frame): walks up from the
+        call to the hardened model's entry point."""
+        f = sys._getframe(depth)
+        module = src = first = None
+        while f is not None:
+            code = f.f_code
+            if code in BOUNDARY:
+                break
+            name = code.co_filename
+            if not name.startswith(_NANPASS_DIR):
+                if first is None:
+                    first = f
+                if src is None and not name.startswith(_TORCH_DIR) and not name.startswith("<"):
+                    src = f
+                if module is None and code.co_argcount and code.co_varnames[0] == "self":
+                    obj = f.f_locals.get("self")
+                    if isinstance(obj, torch.nn.Module):
+                        module = obj
+                if module is not None and src is not None:
+                    break
+            f = f.f_back
+        return module, src or first
+
+    # -- what a call does ---------------------------------------------------------------------
+    def call(self, hit: tuple[Rule, Spelling, bool], args: tuple, kwargs: dict):
+        rule, sp, swapped = hit
+        if swapped:  # 2 / x arrives as x.__rtruediv__(2): guard it as 2 / x
+            args = (args[1], args[0], *args[2:])
+        if torch.compiler.is_compiling():  # no frames to walk in a traced region
+            return self._run_for(None, rule, sp, None, None, args, kwargs)
+        module, frame = self._where(3)
+        key = (rule.name, sp.name, id(module), frame.f_code if frame else None,
+               frame.f_lasti if frame else None)
+        return self._run_for(key, rule, sp, module, frame, args, kwargs)
+
+    def _run_for(self, key, rule, sp, module, frame, args, kwargs):
+        run = self._runs.get(key)
+        if run is None:
+            run = self._make_run(key, rule, sp, module, frame)
+        why = None
+        if run is not sp.call:
+            if rule.safe_if is not None:
+                why = rule.safe_if(args, kwargs)
+            if why is None and not _float_operand(args, kwargs):
+                why = "integer/bool/complex operands keep their exact semantics"
+        if why is not None:
+            self._note(key, rule, sp, module, frame, "left", "", why)
+            return sp.call(*args, **kwargs)
+        self._note(key, rule, sp, module, frame, *self._decision(rule, module))
+        return run(*args, **kwargs)
+
+    def _decision(self, rule: Rule, module) -> tuple[str, str, str]:
+        """(action, guard, reason) of a site, as the report shows it."""
+        cfg = self.config
+        if not rule.guarded:
+            return "left", "", rule.reason
+        if rule.name not in cfg.ops:
+            return "left", "", "op excluded by config"
+        path = self._path(module)
+        if path and cfg.excluded(path):
+            return "left", "", f"module {path!r} excluded by config"
+        if cfg.mode in ("check", "warn"):
+            return "checked", f"raises NonFiniteError here ({cfg.mode})", rule.reason
+        return "guarded", rule.action, rule.reason
+
+    def _make_run(self, key, rule: Rule, sp: Spelling, module, frame):
+        cfg = self.config
+        action = self._decision(rule, module)
+        if action[0] == "left":
+            run = sp.call
+        elif action[0] == "checked":
+            site = self._site(rule, sp, module, frame)
+            warn = cfg.mode == "warn"
+
+            def run(*args, **kwargs):
+                if sp.inplace:
+                    operand = (args[0].clone(), *args[1:])
+                    return args[0].copy_(checked(sp.outplace, operand, kwargs, site, warn))
+                return checked(sp.call, args, kwargs, site, warn)
+        else:
+            run = make_guard(rule, sp, cfg.consts(rule.name) if rule.constants else None)
+            if cfg.count and key is not None:
+                counter = Counter(self._note(key, rule, sp, module, frame, *action))
+                run = counted(run, counter)
+                with self._lock:
+                    self.counters.append(counter)
+        if key is not None:
+            self._runs[key] = run
+        return run
+
+    def _site(self, rule: Rule, sp: Spelling, module, frame) -> Site:
+        source, code = _source(frame)
+        cls = type(module).__name__ if module is not None else ""
+        return Site(rule.name, sp.name, self._path(module) or "", cls, source, code)
+
+    def _note(self, key, rule, sp, module, frame, action, guard, reason) -> Change | None:
+        """Record the first call at a site (per action and reason) as a Change."""
+        tag = (key, action, reason)
+        if key is None or tag in self._seen:
+            return None
+        with self._lock:
+            if tag in self._seen:  # pragma: no cover - another thread was first
+                return None
+            self._seen.add(tag)
+            site = self._site(rule, sp, module, frame)
+            change = Change(
+                node="", original="", op=rule.name, spelling=sp.name, module=site.module,
+                module_type=site.module_type, source=site.source, code=site.code,
+                action=action, guard=guard, reason=reason,
+            )
+            self.changes.append(change)
+            return change
+
+
+def _source(frame) -> tuple[str | None, str | None]:
+    if frame is None:
+        return None, None
+    line = frame.f_lineno
+    path = frame.f_code.co_filename
+    return f"{path}:{line}", linecache.getline(path, line).strip() or None
+
+
+class GuardMode(TorchFunctionMode):
+    """Swaps the rule table's calls for guards while a hardened model runs. One per call: a
+    mode is per thread, so threads never see each other's."""
+
+    def __init__(self, sites: Sites):
+        super().__init__()
+        self.sites = sites
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        try:
+            hit = CALLS.get(func)
+        except TypeError:  # an unhashable callable
+            hit = None
+        if hit is not None:
+            return self.sites.call(hit, args, kwargs or {})
+        # anything else runs as called; a torch composite written in Python (F.normalize)
+        # runs with the mode off, as each of torch's own functions re-dispatches to a mode
+        return func(*args, **(kwargs or {}))
+
+
+def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
+    """``fn(*args, **kwargs)`` with the rule table's calls guarded, unless already so."""
+    mode = ACTIVE.get()
+    if mode is not None and mode.sites is sites:
+        return fn(*args, **kwargs)
+    mode = GuardMode(sites)
+    token = ACTIVE.set(mode)
+    try:
+        with mode:
+            return fn(*args, **kwargs)
+    finally:
+        ACTIVE.reset(token)
+
+
+BOUNDARY.add(run_guarded.__code__)
