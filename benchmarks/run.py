@@ -59,21 +59,6 @@ class VAE(nn.Module):
         return recon - 0.5 * (1 + logvar - mu**2 - logvar.exp()).sum(-1).mean()
 
 
-class FxBlock(nn.Module):
-    """A transformer block in plain torch code, which torch.fx can trace (for the pass time)."""
-
-    def __init__(self, d: int = 64):
-        super().__init__()
-        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.f1, self.f2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, -1)
-        x = x + self.o(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
-        h = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True) + 1e-5)
-        return x + self.f2(torch.nn.functional.gelu(self.f1(h)))
-
-
 def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict:
     """Median seconds per call of each fn, run round-robin so drift hits all alike."""
     for fn in fns.values():
@@ -106,15 +91,29 @@ def forward_only(model, batch):
     return fwd
 
 
+def saved_numel(step) -> int:
+    """Elements saved for backward during one train step (a CPU proxy for activation memory)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return total
+
+
 def bench_eager(name, model, batch, repeats):
     safe = nanpass.harden(model)
-    guards_only = nanpass.harden(model, stable=False)
     res = {}
     for kind, make in (("forward", forward_only), ("train step", train_step)):
-        t = interleaved({"plain": make(model, batch), "nanpass": make(safe, batch),
-                         "guards": make(guards_only, batch)}, repeats)
+        t = interleaved({"plain": make(model, batch), "nanpass": make(safe, batch)}, repeats)
         res[kind] = {"plain_ms": t["plain"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3,
-                     "ratio": t["nanpass"] / t["plain"], "guards_only_ratio": t["guards"] / t["plain"]}
+                     "ratio": t["nanpass"] / t["plain"]}
+    plain_saved, safe_saved = saved_numel(train_step(model, batch)), saved_numel(train_step(safe, batch))
+    res["saved_for_backward"] = {"plain": plain_saved, "nanpass": safe_saved, "ratio": safe_saved / plain_saved}
     res["guarded_ops"] = sum(c.action == "guarded" for c in safe.changes)
     return res
 
@@ -157,20 +156,6 @@ def bench_compiled(model, batch, repeats, shapes=False):
     return out
 
 
-def bench_fx_pass(layers):
-    """harden() of a model torch.fx traces: wall time and time per graph node, by depth."""
-    nanpass.harden(nn.Sequential(FxBlock()))  # torch's one-time imports, not ours
-    rows = []
-    for n in layers:
-        model = nn.Sequential(*[FxBlock() for _ in range(n)])
-        t = time.perf_counter()
-        safe = nanpass.harden(model)
-        dt = time.perf_counter() - t
-        nodes = sum(len(g.code.splitlines()) for g in safe.graphs)
-        rows.append({"layers": n, "harden_s": dt, "graph_lines": nodes, "us_per_line": dt / nodes * 1e6})
-    return rows
-
-
 def bench_cold_compile(name: str):
     """Compile time of inductor alone and of the nanpass backend, each in a fresh process with
     an empty inductor cache, so neither benefits from the other's cache."""
@@ -196,18 +181,26 @@ def bench_cold_compile(name: str):
     return out
 
 
-def bench_pass_time(layers):
+def bench_first_call(layers):
+    """harden() plus the first call (where call sites are found) of a Hugging Face GPT-2, next
+    to the plain model's first call and dynamo's own first call (torch.compile, eager backend)."""
     rows = []
     for n in layers:
-        m = gpt2(n)
         batch = {"input_ids": torch.randint(0, 1024, (1, 16))}
-        safe = nanpass.harden(m)
-        t = time.perf_counter()
-        with torch.no_grad():
-            safe(**batch)  # dynamo captures and nanpass rewrites on the first call
-        first = time.perf_counter() - t
-        torch._dynamo.reset()
-        rows.append({"layers": n, "capture_and_rewrite_s": first})
+        row = {"layers": n}
+        for what in ("plain", "nanpass", "dynamo"):
+            m = gpt2(n)
+            torch._dynamo.reset()
+            t = time.perf_counter()
+            if what == "nanpass":
+                m = nanpass.harden(m)
+            elif what == "dynamo":
+                m = torch.compile(m, backend="eager")
+            with torch.no_grad():
+                m(**batch)
+            row[f"{what}_s"] = time.perf_counter() - t
+        row["ratio_vs_dynamo"] = row["nanpass_s"] / row["dynamo_s"]
+        rows.append(row)
     return rows
 
 
@@ -248,10 +241,14 @@ def plots(results: dict, out_dir: str) -> list[str]:
     a = os.path.join(out_dir, "overhead.png")
     fig.savefig(a, dpi=120)
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    rows = results["fx_pass"]
-    ax.plot([r["layers"] for r in rows], [r["harden_s"] * 1e3 for r in rows], "o-")
-    ax.set_xlabel("transformer blocks")
-    ax.set_ylabel("harden() ms")
+    rows = results["first_call"]
+    for what, label in (("plain", "plain first call"), ("nanpass", "harden() + first call"),
+                        ("dynamo", "torch.compile(backend='eager') first call")):
+        ax.plot([r["layers"] for r in rows], [r[f"{what}_s"] * 1e3 for r in rows], "o-", label=label)
+    ax.set_xlabel("GPT-2 layers")
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     b = os.path.join(out_dir, "harden_time.png")
     fig.savefig(b, dpi=120)
@@ -273,8 +270,7 @@ def main():
     if not args.quick:
         results["compiled"] = {name: bench_compiled(m, b, repeats, shapes=name.startswith("transformer"))
                                for name, (m, b) in models.items()}
-    results["pass_time"] = bench_pass_time([1, 12] if args.quick else [1, 6, 12, 24, 48])
-    results["fx_pass"] = bench_fx_pass([1, 6, 12, 24, 48])
+    results["first_call"] = bench_first_call([1, 12] if args.quick else [1, 6, 12, 24])
     if not args.quick:
         results["cold_compile"] = {n: bench_cold_compile(n) for n in ("mlp", "transformer-encoder-4L")}
 
@@ -284,7 +280,9 @@ def main():
         for kind in ("forward", "train step"):
             x = r[kind]
             print(f"{name:26} {'eager ' + kind:16} {x['plain_ms']:10.2f} {x['nanpass_ms']:11.2f} "
-                  f"{x['ratio']:7.3f}  guards only (stable=False): {x['guards_only_ratio']:.3f}")
+                  f"{x['ratio']:7.3f}")
+        m = r["saved_for_backward"]
+        print(f"{name:26} {'saved for bwd':16} {m['plain']:10d} {m['nanpass']:11d} {m['ratio']:7.3f}  elements")
     for name, x in results["check_mode"].items():
         print(f"{name:26} {'check mode':16} {x['plain_ms']:10.2f} {'':11} {x['check_ratio']:7.3f}"
               f"  detect_anomaly: {x['detect_anomaly_ratio']:.3f}")
@@ -292,11 +290,10 @@ def main():
         extra = f", with shape_checks {x['shape_checks_ratio']:.3f}" if "shape_checks_ratio" in x else ""
         print(f"{name:26} {'compiled step':16} {x['inductor_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"
               f"  vs inductor{extra}; compile {x['compile_s_inductor']:.1f}s vs {x['compile_s_nanpass']:.1f}s")
-    for row in results["pass_time"]:
-        print(f"harden + first call, GPT-2 {row['layers']:2d} layers: {row['capture_and_rewrite_s']:.2f} s")
-    for row in results["fx_pass"]:
-        print(f"harden() of an fx-traceable model, {row['layers']:2d} blocks: {row['harden_s'] * 1e3:7.1f} ms, "
-              f"{row['graph_lines']} graph lines, {row['us_per_line']:.1f} us per line")
+    for row in results["first_call"]:
+        print(f"first call, GPT-2 {row['layers']:2d} layers: plain {row['plain_s'] * 1e3:.0f} ms, "
+              f"harden() + first call {row['nanpass_s'] * 1e3:.0f} ms, dynamo (eager backend) "
+              f"{row['dynamo_s'] * 1e3:.0f} ms; nanpass / dynamo {row['ratio_vs_dynamo']:.3f}")
     for name, x in results.get("cold_compile", {}).items():
         ratio = f"{x['ratio']:.2f}" if "ratio" in x else "n/a"
         print(f"cold compile {name}: inductor {x['inductor']} s, nanpass {x['nanpass']} s, ratio {ratio}")

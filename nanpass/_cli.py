@@ -116,15 +116,16 @@ def _run(args) -> int:
     model = _load_target(args.target)
     call_args, call_kwargs = _inputs(args)
     safe = nanpass.harden(model)
-    if call_args or call_kwargs or safe.capture == "pending":
-        try:
-            with torch.no_grad():
-                safe(*call_args, **call_kwargs)
-        except nanpass.NanpassError:
-            raise
-        except Exception as e:
-            hint = "" if call_args or call_kwargs else " (give inputs with --input-shape or --inputs)"
-            raise CliError(f"nanpass: running the model raised {type(e).__name__}: {e}{hint}") from e
+    if not (call_args or call_kwargs):
+        raise CliError("nanpass: give the model's inputs with --input-shape (e.g. --input-shape 4,8) "
+                       "or --inputs FILE.pt: the report lists the unsafe calls the model makes as it runs")
+    try:
+        with torch.no_grad():
+            safe(*call_args, **call_kwargs)
+    except nanpass.NanpassError:
+        raise
+    except Exception as e:
+        raise CliError(f"nanpass: running the model raised {type(e).__name__}: {e}") from e
     report = nanpass.report(safe)
     if args.command == "scan":
         found = [c for c in report.changes if c.action != "left" and not c.after_stable]

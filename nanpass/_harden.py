@@ -38,7 +38,6 @@ class Hardened(torch.nn.Module):
         d["_nanpass_sites"] = Sites(model, config)
         d["_nanpass_shapes"] = shapes  # (examples, dynamic dims) when shape_checks=True
         d["_nanpass_inputs"] = None
-        self.training = model.training
         if shapes is not None:
             d["_nanpass_inputs"] = InputShapes(inspect.signature(model.forward), *shapes)
 
@@ -104,8 +103,22 @@ class Hardened(torch.nn.Module):
         return self._nanpass_model
 
     @property
-    def config(self) -> Config:
+    def nanpass_config(self) -> Config:
+        """The options it was hardened with (``config`` stays the model's own, as HF's)."""
         return self._nanpass_config
+
+    @property
+    def training(self) -> bool:  # always the original's: model.eval() is seen here too
+        model = self.__dict__.get("_nanpass_model")
+        return model.training if model is not None else self.__dict__.get("_nanpass_training", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("_nanpass_model")
+        if model is None:  # nn.Module.__init__, before the model is attached
+            self.__dict__["_nanpass_training"] = mode
+        else:
+            model.training = mode
 
     @property
     def capture(self) -> str:
@@ -117,7 +130,7 @@ class Hardened(torch.nn.Module):
         """One record of every call site seen so far (empty before the first call)."""
         sites = self._nanpass_sites
         asserts = self._nanpass_inputs.asserts() if self._nanpass_inputs is not None else ()
-        if not sites.changes and not asserts:
+        if not sites.calls and not asserts:
             return []
         return [GraphRecord("intercept", "", "", list(sites.changes), 0.0, asserts=asserts,
                             counters=tuple(sites.counters))]
@@ -128,7 +141,7 @@ class Hardened(torch.nn.Module):
         return list(self._nanpass_sites.changes)
 
     def summary(self) -> str:
-        if not self._nanpass_sites.changes:
+        if not self._nanpass_sites.calls:
             return "nothing looked at yet: the call sites are found on the first call"
         return summary(self.changes)
 

@@ -63,6 +63,7 @@ class Sites:
         self.config = config
         self.changes: list[Change] = []
         self.counters: list[Counter] = []
+        self.calls = 0  # hardened calls made (the report of a model with no unsafe call is empty)
         self._runs: dict = {}  # site key -> the callable that runs the call
         self._seen: set = set()  # (site key, action, reason) already recorded
         self._paths: dict[int, str] = {}
@@ -118,7 +119,7 @@ class Sites:
     def _run_for(self, key, rule, sp, module, frame, args, kwargs):
         run = self._runs.get(key)
         if run is None:
-            run = self._make_run(key, rule, sp, module, frame)
+            run = self._make_run(key, rule, sp, module, frame, args)
         why = None
         if run is not sp.call:
             if rule.safe_if is not None:
@@ -126,9 +127,9 @@ class Sites:
             if why is None and not _float_operand(args, kwargs):
                 why = "integer/bool/complex operands keep their exact semantics"
         if why is not None:
-            self._note(key, rule, sp, module, frame, "left", "", why)
+            self._note(key, rule, sp, module, frame, "left", "", why, args)
             return sp.call(*args, **kwargs)
-        self._note(key, rule, sp, module, frame, *self._decision(rule, module))
+        self._note(key, rule, sp, module, frame, *self._decision(rule, module), args)
         return run(*args, **kwargs)
 
     def _decision(self, rule: Rule, module) -> tuple[str, str, str]:
@@ -145,7 +146,7 @@ class Sites:
             return "checked", f"raises NonFiniteError here ({cfg.mode})", rule.reason
         return "guarded", rule.action, rule.reason
 
-    def _make_run(self, key, rule: Rule, sp: Spelling, module, frame):
+    def _make_run(self, key, rule: Rule, sp: Spelling, module, frame, args=()):
         cfg = self.config
         action = self._decision(rule, module)
         if action[0] == "left":
@@ -162,7 +163,7 @@ class Sites:
         else:
             run = make_guard(rule, sp, cfg.consts(rule.name) if rule.constants else None)
             if cfg.count and key is not None:
-                counter = Counter(self._note(key, rule, sp, module, frame, *action))
+                counter = Counter(self._note(key, rule, sp, module, frame, *action, args))
                 run = counted(run, counter)
                 with self._lock:
                     self.counters.append(counter)
@@ -175,7 +176,7 @@ class Sites:
         cls = type(module).__name__ if module is not None else ""
         return Site(rule.name, sp.name, self._path(module) or "", cls, source, code)
 
-    def _note(self, key, rule, sp, module, frame, action, guard, reason) -> Change | None:
+    def _note(self, key, rule, sp, module, frame, action, guard, reason, args=()) -> Change | None:
         """Record the first call at a site (per action and reason) as a Change."""
         tag = (key, action, reason)
         if key is None or tag in self._seen:
@@ -185,10 +186,15 @@ class Sites:
                 return None
             self._seen.add(tag)
             site = self._site(rule, sp, module, frame)
+            dtype = next((a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point()), None)
+            consts = ()
+            if action == "guarded" and rule.constants and dtype is not None:
+                consts = tuple(sorted(self.config.consts(rule.name)(dtype).items()))
             change = Change(
                 node="", original="", op=rule.name, spelling=sp.name, module=site.module,
                 module_type=site.module_type, source=site.source, code=site.code,
                 action=action, guard=guard, reason=reason,
+                dtype=str(dtype).replace("torch.", "") if dtype is not None else None, constants=consts,
             )
             self.changes.append(change)
             return change
@@ -227,6 +233,7 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
     mode = ACTIVE.get()
     if mode is not None and mode.sites is sites:
         return fn(*args, **kwargs)
+    sites.calls += 1
     mode = GuardMode(sites)
     token = ACTIVE.set(mode)
     try:

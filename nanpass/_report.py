@@ -181,10 +181,12 @@ class Report:
                 parts.append("</tbody></table>")
             before = {c.original: (f"change-{i}-{k}", c.action) for k, c in enumerate(g.changes)}
             after = {c.node: (f"change-{i}-{k}", c.action) for k, c in enumerate(g.changes) if c.node}
-            parts.append('<div class="diff">')
-            parts.append(_code_html("before", g.code_before, before, f"g{i}-before"))
-            parts.append(_code_html("after", g.code, after, f"g{i}-after"))
-            parts.append("</div></section>")
+            if g.code_before or g.code:  # a graph capture; interception has no code of its own
+                parts.append('<div class="diff">')
+                parts.append(_code_html("before", g.code_before, before, f"g{i}-before"))
+                parts.append(_code_html("after", g.code, after, f"g{i}-after"))
+                parts.append("</div>")
+            parts.append("</section>")
         parts.append("</body></html>")
         return "\n".join(parts) + "\n"
 
@@ -264,7 +266,8 @@ def report(obj) -> Report:
 
     if isinstance(obj, Hardened):
         if not obj.graphs:
-            raise ReportError("nanpass: nothing captured yet; call the hardened model once first")
+            raise ReportError("nanpass: nothing looked at yet: the hardened model finds its call "
+                              "sites as it runs; call it once first")
         return Report(type(obj.original).__name__, obj.graphs)
     if isinstance(obj, Backend):
         return Report("nanpass.backend", obj.graphs)

@@ -282,7 +282,8 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
 
     def record_stable(node, original, description):
         record(node, original, match(node, gm)[0].name, description.split(" -> ")[0], "stable",
-               description, "exact stable form: the naive form loses the value or overflows")
+               description, "exact stable form (changes rounding on safe inputs, so opt-in): the naive form "
+               "loses the value or overflows")
 
     if config.mode in ("check", "warn"):
         if sites is not None:  # compiled: flags on the device
@@ -344,6 +345,11 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
             counters.append(counter)
     graph.lint()
     gm.recompile()
+    # the bodies of higher-order ops (a checkpointed region, a wrap, cond branches) are graphs
+    # of their own: their unsafe ops are the model's too
+    for _, body in gm.named_children():
+        if isinstance(body, fx.GraphModule):
+            changes.extend(rewrite(body, config, counters, sites))
     return changes
 
 

@@ -80,7 +80,7 @@ def stats(model) -> Stats:
     """The guard statistics of ``nanpass.harden(model, count=True)``."""
     from ._harden import Hardened
 
-    if not isinstance(model, Hardened) or not model.config.count:
+    if not isinstance(model, Hardened) or not model.nanpass_config.count:
         raise NanpassError("nanpass: stats() needs a model hardened with count=True, e.g. "
                            "nanpass.harden(model, count=True)")
     rows = []
