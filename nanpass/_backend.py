@@ -100,6 +100,7 @@ def compile_graph(
     config: Config,
     inner: str | None = None,
     keep: Callable[[GraphRecord], None] | None = None,
+    first_shapes: dict | None = None,
 ):
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
@@ -111,7 +112,7 @@ def compile_graph(
         rewrite(eager, config)
     record = rewrite_and_record(gm, config, "dynamo", example_inputs, sites)
     if config.shape_checks:
-        record = _shape_checks(gm, record, config)
+        record = _shape_checks(gm, record, config, {} if first_shapes is None else first_shapes)
     (keep or _COMPILED.append)(record)
     compiled = _inner(inner, gm, example_inputs)
     if sites is not None:
@@ -121,16 +122,13 @@ def compile_graph(
     return compiled
 
 
-# the shapes each graph had when first compiled, by model (its parameters) and frame
-_FIRST_SHAPES: dict[tuple, dict[str, tuple]] = {}
-
-
-def _shape_checks(gm: fx.GraphModule, record: GraphRecord, config: Config) -> GraphRecord:
+def _shape_checks(gm: fx.GraphModule, record: GraphRecord, config: Config,
+                  first_shapes: dict) -> GraphRecord:
     """Enforce the first compile's shapes: dynamo recompiles on a new static shape, and the
     recompile is compared here (so nothing runs per call). A symbolic dim is free when its
     symbols come only from declared dynamic dims of the inputs."""
     key = (graph_key(gm), tuple(id(r()) for r in record.params))
-    first = _FIRST_SHAPES.setdefault(key, graph_shapes(gm))
+    first = first_shapes.setdefault(key, graph_shapes(gm))
     if first is not None:
         compare_shapes(gm, first, dict(config.dynamic_dims))
     asserts = insert_asserts(gm, graph_shapes(gm))
@@ -144,9 +142,11 @@ class Backend:
     def __init__(self, config: Config):
         self.config = config
         self.graphs: list[GraphRecord] = []
+        self._first_shapes: dict = {}  # shape_checks: the first compile's shapes, per graph
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):
-        return compile_graph(gm, example_inputs, self.config, keep=self._keep)
+        return compile_graph(gm, example_inputs, self.config, keep=self._keep,
+                             first_shapes=self._first_shapes)
 
     def _keep(self, record: GraphRecord) -> None:
         self.graphs.append(record)
@@ -182,6 +182,15 @@ def backend(inner: str = "inductor", **options) -> Backend:
     return Backend(_config({"inner": inner, **options}))
 
 
+_STATE = "__nanpass_first_shapes__"
+
+
 def nanpass_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
-    """The entry-point backend; ``torch.compile(..., options={...})`` arrives as ``options``."""
-    return compile_graph(gm, example_inputs, _config(dict(options or {})))
+    """The entry-point backend; ``torch.compile(..., options={...})`` arrives as ``options``,
+    the same dict on every recompile of that compiled model: per-model state (the shapes
+    shape_checks compares recompiles with) lives in it, never in a global two models share."""
+    options = options if options is not None else {}
+    given = {k: v for k, v in options.items() if k != _STATE}
+    config = _config(given)
+    first = options.setdefault(_STATE, {}) if config.shape_checks else None
+    return compile_graph(gm, example_inputs, config, first_shapes=first)

@@ -82,8 +82,11 @@ def guards_markdown() -> str:
             out.append(f"- **{r.name}** ({spellings}): {r.reason}.")
         out.append("")
     out.append("## Exact stable-form rewrites\n")
-    out.append("Applied before the guards; they give the true value where the naive form loses it "
-               "(and may differ from it by rounding, never in accuracy):\n")
+    out.append("Opt-in (`stable=True`, on the backend: `torch.compile(model, backend=\"nanpass\", "
+               "options={\"stable\": True})`), because they change rounding on safe inputs and so "
+               "break the bit-for-bit promise; the report marks each one. Applied before the guards; "
+               "they give the true value where the naive form loses it (and may differ from it by "
+               "rounding, never in accuracy):\n")
     from ._stable import DESCRIPTIONS
 
     out.extend(f"- `{d}`" for d in DESCRIPTIONS)

@@ -247,3 +247,20 @@ def test_check_shapes_on_a_layer_fx_cannot_trace():
     assert table.rows[0].outputs == ["(2, 7, 32)"]
     with pytest.raises(nanpass.ShapeError, match=r"entering self_attn \(MultiheadAttention.*expected \(N, L, 32\), got \(2, 7, 24\)"):
         nanpass.check_shapes(layer, torch.randn(2, 7, 24))
+
+
+def test_two_parameterless_models_keep_their_own_shapes():
+    """Shape state is per compiled model, not a global table two models of one class share."""
+
+    class Scale(nn.Module):
+        def forward(self, x, t):
+            return (x - t) * 2
+
+    a = torch.compile(Scale(), backend="nanpass", options={"inner": "aot_eager", "shape_checks": True})
+    b = torch.compile(Scale(), backend="nanpass", options={"inner": "aot_eager", "shape_checks": True})
+    assert a(torch.randn(2, 4), torch.randn(2, 1)).shape == (2, 4)
+    assert b(torch.randn(2, 4), torch.randn(2, 4)).shape == (2, 4)  # its own first shapes
+    be_a = nanpass.backend(inner="aot_eager", shape_checks=True)
+    be_b = nanpass.backend(inner="aot_eager", shape_checks=True)
+    assert torch.compile(Scale(), backend=be_a)(torch.randn(2, 4), torch.randn(2, 1)).shape == (2, 4)
+    assert torch.compile(Scale(), backend=be_b)(torch.randn(2, 4), torch.randn(2, 4)).shape == (2, 4)
