@@ -92,17 +92,18 @@ def forward_only(model, batch):
 
 
 def saved_numel(step) -> int:
-    """Elements saved for backward during one train step (a CPU proxy for activation memory)."""
-    total = 0
+    """Elements saved for backward during one train step, each storage counted once (a tensor
+    several ops save costs its memory once): a CPU proxy for activation memory."""
+    seen: dict[int, int] = {}
 
     def pack(t):
-        nonlocal total
-        total += t.numel()
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes() // max(t.element_size(), 1)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
-    return total
+    return sum(seen.values())
 
 
 def bench_eager(name, model, batch, repeats):

@@ -87,7 +87,7 @@ def assert_tree(a, b, path="out", exact=True):
             assert_tree(a[k], b[k], f"{path}[{k!r}]", exact)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_tree(x, y, f"{path}[{i}]", exact)
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
@@ -169,7 +169,7 @@ def compare(a: Run, b: Run, exact=True):
         if g is not None:
             assert_tree(g, b.grads[n], f"{n}.grad", exact)
     assert len(a.input_grads) == len(b.input_grads)
-    for i, (g, h) in enumerate(zip(a.input_grads, b.input_grads)):
+    for i, (g, h) in enumerate(zip(a.input_grads, b.input_grads, strict=True)):
         assert (g is None) == (h is None), f"input {i}: grad None differs"
         if g is not None:
             assert_tree(g, h, f"input[{i}].grad", exact)
@@ -266,7 +266,7 @@ class Teacher(nn.Module):
         if self.variant == "region":
             with torch.no_grad():
                 t = self.teacher(x).softmax(-1)
-                for pt, ps in zip(self.teacher.parameters(), self.student.parameters()):
+                for pt, ps in zip(self.teacher.parameters(), self.student.parameters(), strict=True):
                     pt.mul_(0.9).add_(ps, alpha=0.1)  # EMA update
         elif self.variant == "decorated":
             t = self.target(x)
@@ -421,7 +421,7 @@ class Flow(nn.Module):
 
     def forward(self, x, *rest, steps=None, scale=None, **opts):
         h = self.fc(x)
-        if h.sum() > 0:
+        if h.sum() > 0:  # noqa: SIM108 - a Python if statement is the point
             h = torch.log(F.softplus(h))
         else:
             h = torch.sqrt(h * h + 1)
@@ -872,7 +872,7 @@ def test_many_instances():
     x = normal(B, D)
     models = [seeded(Block, seed=i) for i in range(12)]
     hardened = [nanpass.harden(m) for m in models]
-    for m, s in zip(models, hardened):
+    for m, s in zip(models, hardened, strict=True):
         same(m, s, x)
     outs = [s(x) for s in hardened]
     assert not torch.equal(outs[0], outs[1])
@@ -933,7 +933,7 @@ def test_threads():
     assert not errors, errors
     for i in (0, 1):
         assert len(results[i]) == len(expected[i])
-        for got, want in zip(results[i], expected[i]):
+        for got, want in zip(results[i], expected[i], strict=True):
             assert torch.equal(bits(got), bits(want))
     for got in results[2]:
         assert torch.equal(bits(got), bits(expected_plain)), "guards leaked into another thread"

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 and BERT from tiny random configs (no downloads), through harden and the backend."""
+"""Hugging Face models from tiny random configs (no downloads), through harden and the backend."""
 
 from __future__ import annotations
 
@@ -81,3 +81,39 @@ def test_gpt2_every_label_ignored_and_padding():
     assert all_finite(flat_tensors(out.logits)) and out.loss == 0
     out.loss.backward()
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def llama():
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def t5():
+    cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(cfg).eval()
+
+
+@pytest.mark.parametrize("make,guarded", [(llama, {"pow", "rsqrt", "cross_entropy"}),
+                                          (t5, {"pow", "rsqrt", "log", "cross_entropy"})])
+def test_decoders_bitwise_and_generate_guarded(make, guarded):
+    """Models nobody here wrote: same logits and loss bit for bit, and ``generate`` through the
+    hardened model runs guarded and picks the same tokens."""
+    model = make()
+    torch.manual_seed(2)
+    ids = torch.randint(3, 100, (2, 10))
+    ref = model(input_ids=ids, labels=ids)
+    safe = nanpass.harden(model)
+    out = safe(input_ids=ids, labels=ids)
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    assert {c.op for c in safe.changes if c.action == "guarded"} == guarded
+    want = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    counted = nanpass.harden(model, count=True)  # counts each guard's calls: generate is guarded
+    got = counted.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    calls = {r.op: r.calls for r in nanpass.stats(counted).rows}
+    assert set(calls) >= guarded - {"cross_entropy"} and min(calls.values()) >= 4  # every decoding step
