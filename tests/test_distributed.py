@@ -48,8 +48,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, mode: str):
             taken.append(guard.step())
         state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
         torch.save({"taken": taken, "state": state}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # both ranks are done communicating before either tears down
     finally:
         dist.destroy_process_group()
+    # gloo's background threads can abort at interpreter teardown under load ("terminate
+    # called without an active exception", exit -6) after the work is saved: leave directly
+    os._exit(0)
 
 
 def _run(tmp_path, mode: str):

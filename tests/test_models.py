@@ -116,4 +116,4 @@ def test_decoders_bitwise_and_generate_guarded(make, guarded):
     got = counted.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
     calls = {r.op: r.calls for r in nanpass.stats(counted).rows}
-    assert set(calls) >= guarded - {"cross_entropy"} and min(calls.values()) >= 4  # every decoding step
+    assert all(calls.get(op, 0) >= 4 for op in guarded - {"cross_entropy"})  # every decoding step
