@@ -207,6 +207,7 @@ def _change_dict(c: Change) -> dict:
         "dtype": c.dtype,
         "constants": {k: v for k, v in c.constants},
         "after_stable": c.after_stable,
+        "changes_rounding": c.action == "stable",  # a stable form: not bitwise on safe inputs
     }
 
 

@@ -132,3 +132,19 @@ def test_html_in_a_real_browser(tmp_path):
     # the module named <script>alert(1)</script> is text, not an element
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in dom
     assert "<script" not in dom
+
+
+def test_stable_forms_are_marked_as_changing_rounding():
+    class LogSoftmax(torch.nn.Module):
+        def forward(self, x):
+            return torch.log(torch.softmax(x, -1)) + torch.log(x.abs() + 1)
+
+    default, stable = nanpass.backend(inner="eager"), nanpass.backend(inner="eager", stable=True)
+    x = torch.randn(3, 4)
+    torch.compile(LogSoftmax(), backend=default)(x)
+    torch.compile(LogSoftmax(), backend=stable)(x)
+    changes = json.loads(nanpass.report(stable).to_json())["graphs"][0]["changes"]
+    assert {(c["action"], c["changes_rounding"]) for c in changes} == {("stable", True), ("guarded", False)}
+    assert sorted(c["guard"] for c in changes if c["changes_rounding"]) == [
+        "log(1 + x) -> log1p(x)", "log(softmax(x)) -> log_softmax(x)"]
+    assert not any(c["changes_rounding"] for c in json.loads(nanpass.report(default).to_json())["graphs"][0]["changes"])
