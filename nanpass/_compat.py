@@ -1,10 +1,17 @@
-"""What nanpass needs from torch beyond its public API, in one place.
+"""What nanpass needs from torch beyond its public API, in one place. Each patch changes
+nothing unless a hardened call is running.
 
-``torch.utils.checkpoint`` recomputes a region in backward, outside the hardened call, so the
-recomputation would run unguarded (and differ from the forward where a guard fired). Both
-implementations look their worker up at call time, so wrapping it here makes the region's
-function re-enter the hardened call's guards on recompute; with no hardened call active
-nothing changes.
+- ``torch.utils.checkpoint`` recomputes a region in backward, outside the hardened call, so the
+  recomputation would run unguarded (and differ from the forward where a guard fired). Both
+  implementations look their worker up at call time, so wrapping it here makes the region's
+  function re-enter the hardened call's guards on recompute.
+- ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` take their fused inference
+  fast path only when ``torch.overrides.has_torch_function(args)`` is False, which any active
+  TorchFunctionMode makes True: hardened, they would run the slow path and round differently.
+  Asked while nanpass's own mode is the innermost one, the question is answered as without it,
+  so the model takes the path it takes plain, and the fast-path kernels
+  (``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``) reach
+  their rules.
 """
 
 from __future__ import annotations
@@ -49,4 +56,27 @@ def _patch_checkpoint() -> None:
     _cp._nanpass_patched = True
 
 
+def _patch_fast_path_check() -> None:
+    import torch.overrides as ov
+
+    if getattr(ov, "_nanpass_patched", False):
+        return
+    original = ov.has_torch_function
+
+    def has_torch_function(args):
+        from ._intercept import ACTIVE, GuardMode
+
+        if ACTIVE.get() is not None:
+            stack = ov._get_current_function_mode_stack()
+            if stack and isinstance(stack[-1], GuardMode):
+                with ov._pop_mode_temporarily():
+                    return original(args)
+        return original(args)
+
+    has_torch_function.__doc__ = original.__doc__
+    ov.has_torch_function = has_torch_function
+    ov._nanpass_patched = True
+
+
 _patch_checkpoint()
+_patch_fast_path_check()

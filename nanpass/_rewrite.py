@@ -123,14 +123,16 @@ def _is_shape_arith(node) -> bool:
     """A Python number computed from shapes (``x.shape[-1] ** 0.5``), not a tensor."""
     if not isinstance(node, fx.Node):
         return isinstance(node, (int, float))
+    val = node.meta.get("example_value", node.meta.get("val"))
+    if isinstance(val, Tensor) or (isinstance(val, (tuple, list)) and any(isinstance(v, Tensor) for v in val)):
+        return False  # a tensor, also one out of chunk/split/unbind (operator.getitem)
     if node.op == "call_method" and node.target in ("size", "dim", "numel"):
         return True
     if node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",):
         return True
     if node.op == "call_function" and node.target.__module__ in ("_operator", "operator"):
         return all(_is_shape_arith(a) for a in node.args)
-    val = node.meta.get("example_value", node.meta.get("val"))
-    return val is not None and not isinstance(val, Tensor)
+    return val is not None
 
 
 def _operand_dtype(node: fx.Node) -> torch.dtype | None:

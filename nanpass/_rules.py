@@ -1,119 +1,38 @@
-"""The rule table: the one place where an op's spellings are named.
-
-A spelling is how an op can appear in a captured graph: a function (``torch.div``), a Python
-operator (``operator.truediv``), a tensor method (``"div"``), an in-place method or operator
-(``"div_"``, ``operator.itruediv``), or a module class (``nn.Softmax``). Method spellings also
-stand as functions (``torch.Tensor.div``), and in-place methods are derived from the method
-names, as OpInfo derives variants from an op's name. Rewrite, report, docs and tests read this
-table; adding an op is one ``Rule``.
+"""The rule table: the one place where an op's spellings are named, with its guard and the
+operands its tests use. Rewrite, interception, report, docs and tests read this table; adding an
+op is one ``Rule`` (plus, where needed, one guard in ``_guards.py``).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from . import _guards as g
-from ._constants import Bounds
+from ._rule import TINY_MAX, Rule, Spelling, _divisor_safe, _exponent_safe, _resolve
+from ._rule import Sample as Sample
+from ._rule import operands, tensor
 
 Tensor = torch.Tensor
 
-# constants a rule's guard reads; "lo*" overrides may only be raised, the others only lowered
-TINY_MAX = {"lo": lambda b: b.tiny, "hi": lambda b: b.max}
+INF = float("inf")
+_ROWS = tensor(-INF, -INF, -INF, 1.0, 2.0, -INF, shape=(2, 3))  # a fully masked row
+_GOOD_ROWS = tensor(-1.0, 0.5, 2.0, 1.0, -INF, 3.0, shape=(2, 3))  # a partly masked row is fine
+_FINITE_ROWS = tensor(-1.0, 0.5, 2.0, 1.0, -3.0, 3.0, shape=(2, 3))
+_LOGITS = tensor(0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 0.25, 1.0, -2.0, 3.0, 0.0, 0.5, shape=(3, 4))
 
 
-@dataclass(frozen=True)
-class Spelling:
-    kind: str  # function | operator | method | module
-    name: str  # as a user would write it: "torch.div", "operator.truediv", "Tensor.div_", "nn.Softmax"
-    target: object  # the fx node target: a callable, a method name, or a module class
-    call: Callable | None  # the op as written (None for modules: the instance is the callable)
-    outplace: Callable | None = None  # for in-place spellings: the out-of-place op to guard
+def _mha(masked: bool):
+    """Self-attention over (L=3, N=2, E=8); ``masked``: the first sequence has no real key."""
 
-    @property
-    def inplace(self) -> bool:
-        return self.outplace is not None
+    def make(dt):
+        q = torch.linspace(-1, 1, 48, dtype=torch.float64).reshape(3, 2, 8).to(dt).requires_grad_()
+        pad = torch.tensor([[True, True, True], [False, True, False]] if masked
+                           else [[False, True, False], [False, False, True]])
+        return (q, q, q), {"key_padding_mask": pad, "need_weights": True}
 
-
-@dataclass(frozen=True, eq=False)
-class Rule:
-    name: str
-    guard: Callable | None  # _guards impl; None: recognised but never rewritten
-    reason: str = ""  # why the op is unsafe (or, with guard None and safe=True, why it is not)
-    action: str = ""  # what the guard does, one line
-    functions: tuple[str, ...] = ()
-    operators: tuple[str, ...] = ()  # in-place operator spellings go in inplace_operators
-    inplace_operators: tuple[tuple[str, str], ...] = ()  # (in-place, out-of-place)
-    methods: tuple[str, ...] = ()
-    inplace: bool = False  # derive "name_" in-place methods from methods
-    modules: tuple[str, ...] = ()
-    constants: dict[str, Callable[[Bounds], float]] = field(default_factory=dict)
-    safe_if: Callable | None = None  # (args, kwargs) -> reason the call is statically safe
-    safe: bool = False  # guard None and reported as looked at and left alone
-    stable: bool = False  # produced by a stable-form rewrite
-
-    @property
-    def guarded(self) -> bool:
-        return self.guard is not None
-
-    def spellings(self) -> Iterator[Spelling]:
-        for name in self.functions:
-            fn = _resolve(name)
-            if fn is not None:
-                yield Spelling("function", name, fn, fn)
-        for name in self.operators:
-            fn = _resolve(name)
-            yield Spelling("operator", name, fn, fn)
-        for ip, op in self.inplace_operators:
-            yield Spelling("operator", ip, _resolve(ip), _resolve(ip), _resolve(op))
-        for m in self.methods:
-            if not hasattr(Tensor, m):
-                continue
-            fn = getattr(Tensor, m)
-            yield Spelling("method", f"Tensor.{m}", m, fn)
-            yield Spelling("function", f"torch.Tensor.{m}", fn, fn)
-            if self.inplace and hasattr(Tensor, m + "_"):
-                ip = getattr(Tensor, m + "_")
-                yield Spelling("method", f"Tensor.{m}_", m + "_", ip, fn)
-                yield Spelling("function", f"torch.Tensor.{m}_", ip, ip, fn)
-        for name in self.modules:
-            cls = _resolve(name)
-            if cls is not None:
-                yield Spelling("module", name, cls, None)
-
-
-def _resolve(name: str):
-    """"torch.special.expm1" -> the object, or None where this torch lacks it."""
-    if name.startswith("nn."):
-        name = "torch." + name
-    elif name.startswith("F."):
-        name = "torch.nn.functional." + name[2:]
-    mod, _, attr = name.rpartition(".")
-    try:
-        return getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError):
-        return None
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _divisor_safe(args, kwargs):
-    d = args[1] if len(args) > 1 else kwargs.get("other")
-    if _number(d) and abs(d) >= 1 and kwargs.get("rounding_mode") is None:
-        return f"constant divisor {d!r}: |divisor| >= 1 cannot make the quotient non-finite"
-    return None
-
-
-def _exponent_safe(args, kwargs):
-    p = args[1] if len(args) > 1 else kwargs.get("exponent")
-    if _number(p) and p in (0, 1):
-        return f"exponent {p!r} is finite with a finite gradient everywhere"
-    return None
+    return make
 
 
 RULES: tuple[Rule, ...] = (
@@ -127,30 +46,35 @@ RULES: tuple[Rule, ...] = (
         inplace_operators=(("operator.itruediv", "operator.truediv"),),
         methods=("div", "divide", "true_divide"), inplace=True,
         safe_if=_divisor_safe,
+        sample=Sample(operands(tensor(1.0, 0.0, 2.0), tensor(0.0, 0.0, 1.0)), operands(tensor(1.0, -3.0, 2.0), tensor(0.5, 2.0, -4.0))),
     ),
     Rule(
         "reciprocal", g.reciprocal,
         reason="1/0 is inf",
         action="0 where the operand is 0, +-max on overflow; non-finite gradients become 0",
         functions=("torch.reciprocal",), methods=("reciprocal",), inplace=True,
+        sample=Sample(operands(tensor(0.0, 2.0)), operands(tensor(0.5, -2.0, 3.0))),
     ),
     Rule(
         "log", g.clamped("lo", "hi"),
         reason="log of 0 is -inf, of a negative number NaN",
         action="operand clamped to [tiny, max]",
         functions=("torch.log",), methods=("log",), inplace=True, constants=TINY_MAX,
+        sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.0, 3.0))),
     ),
     Rule(
         "log2", g.clamped("lo", "hi"),
         reason="log2 of 0 is -inf, of a negative number NaN",
         action="operand clamped to [tiny, max]",
         functions=("torch.log2",), methods=("log2",), inplace=True, constants=TINY_MAX,
+        sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.0, 3.0))),
     ),
     Rule(
         "log10", g.clamped("lo", "hi"),
         reason="log10 of 0 is -inf, of a negative number NaN",
         action="operand clamped to [tiny, max]",
         functions=("torch.log10",), methods=("log10",), inplace=True, constants=TINY_MAX,
+        sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.0, 3.0))),
     ),
     Rule(
         "log1p", g.clamped("lo", "hi"),
@@ -158,6 +82,7 @@ RULES: tuple[Rule, ...] = (
         action="operand clamped to [next float above -1, max]",
         functions=("torch.log1p", "torch.special.log1p"), methods=("log1p",), inplace=True,
         constants={"lo": lambda b: b.above_minus_one, "hi": lambda b: b.max},
+        sample=Sample(operands(tensor(-1.0, -2.0, 2.0)), operands(tensor(-0.5, 0.0, 3.0))),
     ),
     Rule(
         "sqrt", g.clamped("lo", "hi"),
@@ -165,12 +90,14 @@ RULES: tuple[Rule, ...] = (
         action="operand clamped to [0, max]; the infinite gradient at 0 becomes 0",
         functions=("torch.sqrt",), methods=("sqrt",), inplace=True,
         constants={"lo": lambda b: 0.0, "hi": lambda b: b.max},
+        sample=Sample(operands(tensor(0.0, -1.0, 4.0)), operands(tensor(0.25, 1.0, 4.0))),
     ),
     Rule(
         "rsqrt", g.clamped("lo", "hi"),
         reason="rsqrt of 0 is inf, of a negative number NaN",
         action="operand clamped to [tiny, max]",
         functions=("torch.rsqrt",), methods=("rsqrt",), inplace=True, constants=TINY_MAX,
+        sample=Sample(operands(tensor(0.0, -1.0, 4.0)), operands(tensor(0.25, 1.0, 4.0))),
     ),
     Rule(
         "pow", g.pow_,
@@ -182,6 +109,7 @@ RULES: tuple[Rule, ...] = (
         operators=("operator.pow",),
         inplace_operators=(("operator.ipow", "operator.pow"),),
         methods=("pow", "float_power"), inplace=True, safe_if=_exponent_safe,
+        sample=Sample(operands(tensor(0.0, -1.0, 4.0), 0.5), operands(tensor(0.25, 1.0, 4.0), 0.5)),
     ),
     Rule(
         "exp", g.clamped(None, "hi"),
@@ -189,6 +117,7 @@ RULES: tuple[Rule, ...] = (
         action="operand clamped to at most log(max)",
         functions=("torch.exp",), methods=("exp",), inplace=True,
         constants={"hi": lambda b: b.exp_hi},
+        sample=Sample(operands(tensor(100000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
     ),
     Rule(
         "exp2", g.clamped(None, "hi"),
@@ -196,6 +125,7 @@ RULES: tuple[Rule, ...] = (
         action="operand clamped to at most log2(max)",
         functions=("torch.exp2", "torch.special.exp2"), methods=("exp2",), inplace=True,
         constants={"hi": lambda b: b.exp2_hi},
+        sample=Sample(operands(tensor(200000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
     ),
     Rule(
         "expm1", g.clamped(None, "hi"),
@@ -203,6 +133,7 @@ RULES: tuple[Rule, ...] = (
         action="operand clamped to at most log(max)",
         functions=("torch.expm1", "torch.special.expm1"), methods=("expm1",), inplace=True,
         constants={"hi": lambda b: b.exp_hi},
+        sample=Sample(operands(tensor(100000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
     ),
     Rule(
         "softmax", g.finite_operand,
@@ -210,12 +141,16 @@ RULES: tuple[Rule, ...] = (
         action="+-inf operands to +-max: a fully masked row becomes uniform",
         functions=("torch.softmax", "F.softmax", "torch.special.softmax"),
         methods=("softmax",), modules=("nn.Softmax", "nn.Softmax2d"),
+        sample=Sample(operands(_ROWS, dim=-1), operands(_GOOD_ROWS, dim=-1),
+               ctor={"nn.Softmax": (-1,), "nn.Softmax2d": ()}),
     ),
     Rule(
         "softmin", g.finite_operand,
         reason="a row of all +inf gives NaN",
         action="+-inf operands to +-max: a fully masked row becomes uniform",
         functions=("F.softmin",), modules=("nn.Softmin",),
+        sample=Sample(operands(tensor(INF, INF, 1.0, 2.0, shape=(2, 2)), dim=-1), operands(_FINITE_ROWS, dim=-1),
+               ctor={"nn.Softmin": (-1,)}),
     ),
     Rule(
         "log_softmax", g.finite_in_out,
@@ -223,18 +158,21 @@ RULES: tuple[Rule, ...] = (
         action="+-inf operands to +-max and the result saturated at -max",
         functions=("torch.log_softmax", "F.log_softmax", "torch.special.log_softmax"),
         methods=("log_softmax",), modules=("nn.LogSoftmax",),
+        sample=Sample(operands(_ROWS, dim=-1), operands(_FINITE_ROWS, dim=-1), ctor={"nn.LogSoftmax": (-1,)}),
     ),
     Rule(
         "logsigmoid", g.finite_operand, stable=True,
         reason="logsigmoid(-inf) is -inf",
         action="+-inf operands to +-max",
         functions=("F.logsigmoid",), modules=("nn.LogSigmoid",),
+        sample=Sample(operands(tensor(-INF, 1.0)), operands(tensor(-3.0, 0.0, 2.0)), ctor={"nn.LogSigmoid": ()}),
     ),
     Rule(
         "logsumexp", g.finite_in_out,
         reason="all -inf gives -inf with a NaN gradient; large inputs overflow",
         action="+-inf operands to +-max and the result saturated",
         functions=("torch.logsumexp", "torch.special.logsumexp"), methods=("logsumexp",),
+        sample=Sample(operands(_ROWS, dim=-1), operands(_GOOD_ROWS, dim=-1)),
     ),
     Rule(
         "acos", g.clamped("lo", "hi"),
@@ -242,6 +180,7 @@ RULES: tuple[Rule, ...] = (
         action="operand clamped to [-1, 1]; the infinite gradient at +-1 becomes 0",
         functions=("torch.acos", "torch.arccos"), methods=("acos", "arccos"), inplace=True,
         constants={"lo": lambda b: -1.0, "hi": lambda b: 1.0},
+        sample=Sample(operands(tensor(1.0, 2.0, 0.5)), operands(tensor(-0.5, 0.0, 0.75))),
     ),
     Rule(
         "asin", g.clamped("lo", "hi"),
@@ -249,6 +188,7 @@ RULES: tuple[Rule, ...] = (
         action="operand clamped to [-1, 1]; the infinite gradient at +-1 becomes 0",
         functions=("torch.asin", "torch.arcsin"), methods=("asin", "arcsin"), inplace=True,
         constants={"lo": lambda b: -1.0, "hi": lambda b: 1.0},
+        sample=Sample(operands(tensor(1.0, -2.0, 0.5)), operands(tensor(-0.5, 0.0, 0.75))),
     ),
     Rule(
         "atanh", g.clamped("lo", "hi"),
@@ -256,6 +196,7 @@ RULES: tuple[Rule, ...] = (
         action="operand clamped to the floats strictly inside (-1, 1)",
         functions=("torch.atanh", "torch.arctanh"), methods=("atanh", "arctanh"), inplace=True,
         constants={"lo": lambda b: b.above_minus_one, "hi": lambda b: b.below_one},
+        sample=Sample(operands(tensor(1.0, -1.0, 0.5)), operands(tensor(-0.5, 0.0, 0.75))),
     ),
     Rule(
         "logit", g.logit,
@@ -263,18 +204,21 @@ RULES: tuple[Rule, ...] = (
         action="operand clamped to [tiny, next float below 1] (or the user's eps, if tighter)",
         functions=("torch.logit", "torch.special.logit"), methods=("logit",), inplace=True,
         constants={"lo": lambda b: b.tiny, "hi": lambda b: b.below_one},
+        sample=Sample(operands(tensor(0.0, 1.0, 0.5)), operands(tensor(0.25, 0.5, 0.75))),
     ),
     Rule(
         "std", g.finite_result,
         reason="NaN with too few elements; overflow; infinite gradient at zero spread",
         action="a NaN result becomes 0 and overflow saturates; non-finite gradients become 0",
         functions=("torch.std", "torch.std_mean"), methods=("std",),
+        sample=Sample(operands(tensor(1.0)), operands(tensor(1.0, 2.0, 4.0))),
     ),
     Rule(
         "var", g.finite_result,
         reason="NaN with too few elements; overflow",
         action="a NaN result becomes 0 and overflow saturates; non-finite gradients become 0",
         functions=("torch.var", "torch.var_mean"), methods=("var",),
+        sample=Sample(operands(tensor(1.0)), operands(tensor(1.0, 2.0, 4.0))),
     ),
     Rule(
         "xlogy", g.xlogy, stable=True,
@@ -282,24 +226,32 @@ RULES: tuple[Rule, ...] = (
         action="second operand clamped to [tiny, max]; the result saturated",
         functions=("torch.xlogy", "torch.special.xlogy"), methods=("xlogy",), inplace=True,
         constants=TINY_MAX,
+        sample=Sample(operands(tensor(1.0, 0.0), tensor(0.0, 0.0)), operands(tensor(1.0, 2.0), tensor(0.5, 3.0))),
     ),
     Rule(
         "cross_entropy", g.loss,
         reason="0/0 in the mean when every target is ignored; +-inf logits give NaN",
         action="+-inf logits to +-max; a NaN loss becomes 0 with zero gradient",
         functions=("F.cross_entropy",), modules=("nn.CrossEntropyLoss",),
+        sample=Sample(operands(_LOGITS, tensor(-100, -100, -100, dtype=torch.int64)),
+               operands(_LOGITS, tensor(0, 3, 1, dtype=torch.int64)), ctor={"nn.CrossEntropyLoss": ()}),
     ),
     Rule(
         "nll_loss", g.loss,
         reason="0/0 in the mean when every target is ignored",
         action="+-inf inputs to +-max; a NaN loss becomes 0 with zero gradient",
         functions=("F.nll_loss",), modules=("nn.NLLLoss",),
+        sample=Sample(operands(_LOGITS, tensor(-100, -100, -100, dtype=torch.int64)),
+               operands(_LOGITS, tensor(0, 3, 1, dtype=torch.int64)), ctor={"nn.NLLLoss": ()}),
     ),
     Rule(
         "kl_div", g.loss,
         reason="-inf log-probabilities against a zero target give 0 * inf = NaN",
         action="+-inf operands to +-max; the result saturated; non-finite gradients become 0",
         functions=("F.kl_div",), modules=("nn.KLDivLoss",),
+        sample=Sample(operands(tensor(0.0, -INF, shape=(1, 2)), tensor(1.0, 0.0, grad=False, shape=(1, 2)), reduction="sum"),
+               operands(tensor(-1.0, -0.5, shape=(1, 2)), tensor(0.5, 0.5, grad=False, shape=(1, 2)), reduction="sum"),
+               ctor={"nn.KLDivLoss": ()}),
     ),
     Rule(
         "cosine_similarity", g.cosine_similarity,
@@ -307,6 +259,9 @@ RULES: tuple[Rule, ...] = (
         action="result clamped to [-1, 1]; +-inf operands to +-max",
         functions=("F.cosine_similarity", "torch.cosine_similarity"),
         modules=("nn.CosineSimilarity",),
+        sample=Sample(operands(tensor(INF, 1.0, shape=(1, 2)), tensor(1.0, 1.0, grad=False, shape=(1, 2))),
+               operands(tensor(2.0, 1.0, shape=(1, 2)), tensor(1.0, 3.0, grad=False, shape=(1, 2))),
+               ctor={"nn.CosineSimilarity": ()}),
     ),
     Rule(
         "multi_head_attention", g.attention,
@@ -314,6 +269,8 @@ RULES: tuple[Rule, ...] = (
         action="-inf / True mask entries become finfo.min/4: fully masked rows stay finite, "
         "all other rows are unchanged",
         functions=("F.multi_head_attention_forward",), modules=("nn.MultiheadAttention",),
+        sample=Sample(_mha(masked=True), _mha(masked=False), ctor={"nn.MultiheadAttention": (8, 2)},
+               dtypes=(torch.bfloat16, torch.float32, torch.float64)),
     ),
     Rule(
         "mha_fast_path", g.finite_result,

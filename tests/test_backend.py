@@ -151,3 +151,19 @@ def test_inductor_training_step():
     ref, _ = forward_backward(model, (x, mask))
     got, _ = forward_backward(compiled, (x, mask))
     torch.testing.assert_close(got, ref)
+
+
+def test_ops_on_chunks_are_guarded():
+    """chunk/split/unbind results reach the graph through operator.getitem: tensors, not shape
+    arithmetic (MobileViTv2's softmaxes were left unguarded this way)."""
+
+    class Chunks(nn.Module):
+        def forward(self, x):
+            a, b = x.chunk(2, -1)
+            c, d = x.unbind(0)
+            return torch.log(a) + torch.sqrt(b) + torch.softmax(a, -1) + torch.log(c)[:2] + d[:2]
+
+    be = nanpass.backend(inner="aot_eager")
+    x = torch.tensor([[0.0, -1.0, 0.0, -4.0], [1.0, 2.0, 3.0, 4.0]])
+    assert torch.isfinite(torch.compile(Chunks(), backend=be)(x)).all()
+    assert sorted(c.op for c in be.changes if c.action == "guarded") == ["log", "log", "softmax", "sqrt"]

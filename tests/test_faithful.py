@@ -1253,3 +1253,33 @@ def test_random_module_trees(spec, seed, hook, train):
         assert calls["hook"] % 2 == 0 and calls["hook"] > 0
     sides = [m.last for m in model.modules() if isinstance(m, Node) and m.side_effect]
     assert all(isinstance(s, torch.Tensor) for s in sides)
+
+
+@pytest.mark.parametrize("kind", ["mha", "encoder_layer", "encoder"])
+def test_attention_inference_fast_path_is_kept(kind):
+    """eval + no_grad: torch's fused attention kernels run hardened too (bit for bit), and a
+    fully padded sequence, NaN in torch's kernel, comes out finite."""
+    torch.manual_seed(0)
+    src = torch.randn(2, 3, 8)
+    if kind == "mha":
+        model = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+
+        def call(m, pad):
+            return m(src, src, src, key_padding_mask=pad, need_weights=False)[0]
+    else:
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        model = (layer if kind == "encoder_layer" else
+                 nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)).eval()
+
+        def call(m, pad):
+            return m(src, src_key_padding_mask=pad)
+    safe = nanpass.harden(model)
+    partial = torch.tensor([[False, False, True], [False, True, False]])
+    full = torch.tensor([[True, True, True], [False, True, False]])
+    with torch.no_grad():
+        assert torch.equal(bits(call(safe, partial)), bits(call(model, partial)))
+        assert not torch.isfinite(call(model, full)).all()
+        out = call(safe, full)
+    assert torch.isfinite(out).all()
+    assert {c.op for c in safe.changes if c.action == "guarded"} <= {"mha_fast_path", "encoder_layer_fast_path"}
+    assert safe.changes

@@ -1,0 +1,165 @@
+"""What a rule is: an op's spellings, derived from its name as OpInfo derives variants, its
+guard, and the operands its tests use. The table itself is ``_rules.py``.
+
+A spelling is how an op can appear: a function (``torch.div``), a Python operator
+(``operator.truediv``), a tensor method (``"div"``), an in-place method or operator (``"div_"``,
+``operator.itruediv``), or a module class (``nn.Softmax``). Unless a rule lists them, its
+functions are ``torch.<name>``, ``torch.special.<name>`` and ``F.<name>`` where torch has them,
+its method ``Tensor.<name>``, and its in-place method ``Tensor.<name>_``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ._constants import Bounds
+
+Tensor = torch.Tensor
+
+# constants a rule's guard reads; "lo*" overrides may only be raised, the others only lowered
+TINY_MAX = {"lo": lambda b: b.tiny, "hi": lambda b: b.max}
+
+
+@dataclass(frozen=True)
+class Spelling:
+    kind: str  # function | operator | method | module
+    name: str  # as a user would write it: "torch.div", "operator.truediv", "Tensor.div_", "nn.Softmax"
+    target: object  # the fx node target: a callable, a method name, or a module class
+    call: Callable | None  # the op as written (None for modules: the instance is the callable)
+    outplace: Callable | None = None  # for in-place spellings: the out-of-place op to guard
+
+    @property
+    def inplace(self) -> bool:
+        return self.outplace is not None
+
+
+Operands = Callable[[torch.dtype], tuple[tuple, dict]]
+
+
+def tensor(*values, grad: bool = True, shape=None, dtype=None) -> Callable[[torch.dtype], Tensor]:
+    """A test operand in the dtype under test (or a fixed ``dtype``, e.g. integer targets)."""
+
+    def make(dt: torch.dtype) -> Tensor:
+        t = torch.tensor(values, dtype=torch.float64 if dtype is None else dtype)
+        t = t.to(dt) if dtype is None else t
+        if shape is not None:
+            t = t.reshape(shape)
+        return t.requires_grad_(grad and t.is_floating_point())
+
+    return make
+
+
+def operands(*args, **kwargs) -> Operands:
+    """(args, kwargs) for a dtype: each ``tensor(...)`` is made in it, other values pass."""
+
+    def make(dt: torch.dtype):
+        def one(a):
+            return a(dt) if callable(a) and not isinstance(a, type) else a
+
+        return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+    return make
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The operands an op's tests use, carried on its rule: ``bad`` makes the unguarded op's
+    value or gradient non-finite; ``good`` lies inside the safe domain, where the guard must
+    return the original's bits. ``ctor`` gives constructor arguments of module spellings."""
+
+    bad: Operands
+    good: Operands
+    ctor: dict[str, tuple] = field(default_factory=dict)
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _derived_functions(name: str) -> tuple[str, ...]:
+    return tuple(f for f in (f"torch.{name}", f"torch.special.{name}", f"F.{name}")
+                 if _resolve(f) is not None)
+
+
+@dataclass(frozen=True, eq=False)
+class Rule:
+    name: str
+    guard: Callable | None  # _guards impl; None: recognised but never rewritten
+    reason: str = ""  # why the op is unsafe (or, with guard None and safe=True, why it is not)
+    action: str = ""  # what the guard does, one line
+    functions: tuple[str, ...] | None = None  # None: derived from the name
+    operators: tuple[str, ...] = ()  # in-place operator spellings go in inplace_operators
+    inplace_operators: tuple[tuple[str, str], ...] = ()  # (in-place, out-of-place)
+    methods: tuple[str, ...] | None = None  # None: Tensor.<name> where it exists
+    inplace: bool | None = None  # derive "name_" in-place methods (None: where torch has them)
+    modules: tuple[str, ...] = ()
+    constants: dict[str, Callable[[Bounds], float]] = field(default_factory=dict)
+    safe_if: Callable | None = None  # (args, kwargs) -> reason the call is statically safe
+    safe: bool = False  # guard None and reported as looked at and left alone
+    stable: bool = False  # produced by a stable-form rewrite
+    sample: Sample | None = None  # the operands its tests use (every guarded rule has one)
+
+    @property
+    def guarded(self) -> bool:
+        return self.guard is not None
+
+    def spellings(self) -> Iterator[Spelling]:
+        functions = _derived_functions(self.name) if self.functions is None else self.functions
+        methods = ((self.name,) if hasattr(Tensor, self.name) else ()) if self.methods is None else self.methods
+        for name in functions:
+            fn = _resolve(name)
+            if fn is not None:
+                yield Spelling("function", name, fn, fn)
+        for name in self.operators:
+            fn = _resolve(name)
+            yield Spelling("operator", name, fn, fn)
+        for ip, op in self.inplace_operators:
+            yield Spelling("operator", ip, _resolve(ip), _resolve(ip), _resolve(op))
+        for m in methods:
+            if not hasattr(Tensor, m):
+                continue
+            fn = getattr(Tensor, m)
+            yield Spelling("method", f"Tensor.{m}", m, fn)
+            yield Spelling("function", f"torch.Tensor.{m}", fn, fn)
+            if self.inplace is not False and hasattr(Tensor, m + "_"):
+                ip = getattr(Tensor, m + "_")
+                yield Spelling("method", f"Tensor.{m}_", m + "_", ip, fn)
+                yield Spelling("function", f"torch.Tensor.{m}_", ip, ip, fn)
+        for name in self.modules:
+            cls = _resolve(name)
+            if cls is not None:
+                yield Spelling("module", name, cls, None)
+
+
+def _resolve(name: str):
+    """"torch.special.expm1" -> the object, or None where this torch lacks it."""
+    if name.startswith("nn."):
+        name = "torch." + name
+    elif name.startswith("F."):
+        name = "torch.nn.functional." + name[2:]
+    mod, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _divisor_safe(args, kwargs):
+    d = args[1] if len(args) > 1 else kwargs.get("other")
+    if _number(d) and abs(d) >= 1 and kwargs.get("rounding_mode") is None:
+        return f"constant divisor {d!r}: |divisor| >= 1 cannot make the quotient non-finite"
+    return None
+
+
+def _exponent_safe(args, kwargs):
+    p = args[1] if len(args) > 1 else kwargs.get("exponent")
+    if _number(p) and p in (0, 1):
+        return f"exponent {p!r} is finite with a finite gradient everywhere"
+    return None
+
+
