@@ -10,9 +10,17 @@ from collections.abc import Callable, Iterator
 import torch
 
 from . import _guards as g
-from ._rule import TINY_MAX, Rule, Spelling, _divisor_safe, _exponent_safe, _resolve
+from ._rule import (
+    TINY_MAX,
+    Rule,
+    Spelling,
+    _divisor_safe,
+    _exponent_safe,
+    _resolve,
+    operands,
+    tensor,
+)
 from ._rule import Sample as Sample
-from ._rule import operands, tensor
 
 Tensor = torch.Tensor
 

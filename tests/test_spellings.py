@@ -11,7 +11,6 @@ import torch.nn as nn
 
 import nanpass
 from nanpass._rules import RULES
-from tests.cases import PROBES, module_for
 from tests.helpers import all_finite, forward_backward
 
 FAST_PATHS = ("mha_fast_path", "encoder_layer_fast_path")
@@ -25,7 +24,7 @@ class Call(nn.Module):
         self.kind, self.target, self.call, self.inplace = sp.kind, sp.target, sp.call, sp.inplace
         self.kw = kwargs
         if sp.kind == "module":
-            self.mod = module_for(sp.name, PROBES[rule.name])
+            self.mod = sp.target(*rule.sample.ctor[sp.name])
 
     def forward(self, a, b=None, c=None):
         args = tuple(x for x in (a, b, c) if x is not None)
@@ -51,17 +50,13 @@ def _cases():
 
 
 def _inputs(rule, sp):
-    probe = PROBES[rule.name]
-    if rule.name == "multi_head_attention":
-        q = torch.randn(3, 2, 8, requires_grad=True)
-        pad = torch.tensor([[True, True, True], [False, True, False]])
-        return (q, q, q), {"key_padding_mask": pad, "need_weights": True}
-    args, kwargs = probe.bad()
+    """The rule's own bad operands (``Rule.sample``), as this spelling takes them."""
+    args, kwargs = rule.sample.bad(torch.float32)
     if sp.name.endswith("float_power_"):  # in-place float_power needs a float64 operand
         args = tuple(a.detach().double().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
-    if sp.kind == "module":
-        if probe.module_args is not None and sp.name == "nn.Softmax2d":
-            return probe.module_args(), {}
+    if sp.kind == "module" and rule.name != "multi_head_attention":
+        if sp.name == "nn.Softmax2d":  # (C, H, W): a channel column of -inf
+            return (torch.full((2, 2, 2), -float("inf"), requires_grad=True),), {}
         return tuple(a for a in args if not isinstance(a, (int, float))), {}
     return args, kwargs
 
