@@ -69,6 +69,9 @@ def guards_markdown() -> str:
         out.append(f"- **Guard:** {r.action}.")
         if r.stable:
             out.append("- Also the result of an exact stable-form rewrite.")
+        if r.sample is not None and not r.sample.dynamo:
+            out.append("- **Under `torch.compile`:** dynamo graph-breaks on this op, so it runs outside "
+                       "any graph, eagerly and unguarded; `nanpass.harden` guards it.")
         spellings = ", ".join(f"`{sp.name}`" for sp in r.spellings())
         out.append(f"- **Spellings:** {spellings}.\n")
         table = _constants(r)

@@ -105,7 +105,12 @@ def finite(x):
 
 def finite_all(out):
     if isinstance(out, tuple):
-        return tuple(finite(o) for o in out)
+        items = [finite(o) for o in out]
+        if type(out) is tuple:
+            return tuple(items)
+        if hasattr(out, "_fields"):  # a namedtuple
+            return type(out)(*items)
+        return type(out)(items)  # torch.return_types (eigh's .eigenvalues, svd's .U, ...)
     return finite(out)
 
 
@@ -240,6 +245,45 @@ def xlogy(fn, args, kwargs, consts):
 
 
 # -- composite calls ----------------------------------------------------------------------
+
+
+def finite_call(fn, args, kwargs, consts):
+    """Ops whose unsafe set is no simple domain (norms at 0, repeated eigenvalues in eigh/svd
+    backward, logdet of a singular matrix, lgamma's poles, overflow of cosh): the op runs on
+    the user's operands; a non-finite result saturates (NaN to 0) and a non-finite gradient
+    into any floating operand becomes 0. Identity wherever the original is finite."""
+    fenced = tuple(finite_grad(a) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args)
+    kw = {k: finite_grad(v) if isinstance(v, Tensor) and v.is_floating_point() else v
+          for k, v in kwargs.items()}
+    return finite_all(fn(*fenced, **kw))
+
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def finite_low_precision(fn, args, kwargs, consts):
+    """Products in float16/bfloat16 overflow on ordinary activations: saturate the result there,
+    so the next op sees +-max, not inf (identity on finite values; straight-through gradient).
+    In float32/float64 the op runs as written, at no cost."""
+    out = fn(*args, **kwargs)
+    if isinstance(out, Tensor) and out.dtype in _LOW:
+        return finite(out)
+    return out
+
+
+def ctc(fn, args, kwargs, consts):
+    """ctc_loss: an input shorter than its target has no alignment: the loss is inf and its
+    gradient NaN. As torch's own ``zero_infinity=True``: that loss and its gradient become 0;
+    every finite loss is unchanged. ``F.ctc_loss`` and ``torch.ctc_loss`` both take it 7th."""
+    args = (finite(args[0]), *args[1:]) if args else args
+    if "log_probs" in kwargs:
+        kwargs = {**kwargs, "log_probs": finite(kwargs["log_probs"])}
+    if len(args) >= 7:
+        args = (*args[:6], True, *args[7:])
+    else:
+        kwargs = {**kwargs, "zero_infinity": True}
+    return finite(fn(*args, **kwargs))
+
 
 
 def loss(fn, args, kwargs, consts):

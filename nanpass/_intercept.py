@@ -55,6 +55,17 @@ def _float_operand(args, kwargs) -> bool:
     return False
 
 
+def _any_dtype(args, dtypes) -> bool:
+    for a in args:  # noqa: SIM110 - runs on every call of such a rule
+        if isinstance(a, Tensor):
+            if a.dtype in dtypes:
+                return True
+            # under autocast a float32 product is computed (and can overflow) in low precision
+            if torch.is_autocast_enabled(a.device.type):
+                return torch.get_autocast_dtype(a.device.type) in dtypes
+    return False
+
+
 class Sites:
     """The call sites of one hardened model: what each does, and the Change it recorded."""
 
@@ -109,6 +120,8 @@ class Sites:
         rule, sp, swapped = hit
         if swapped:  # 2 / x arrives as x.__rtruediv__(2): guard it as 2 / x
             args = (args[1], args[0], *args[2:])
+        if rule.only_dtypes and not _any_dtype(args, rule.only_dtypes):
+            return sp.call(*args, **kwargs)  # not unsafe in this dtype: not looked at
         if torch.compiler.is_compiling():  # no frames to walk in a traced region
             return self._run_for(None, rule, sp, None, None, args, kwargs)
         module, frame = self._where(3)

@@ -303,6 +303,8 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
         if hit is None:
             continue
         rule, sp = hit
+        if rule.only_dtypes and _operand_dtype(node) not in (None, *rule.only_dtypes):
+            continue  # not unsafe in this dtype: not looked at (as under harden)
         if not rule.guarded:
             if rule.safe:
                 record(node, node.name, rule.name, sp.name, "left", "", rule.reason)

@@ -44,7 +44,10 @@ def tensor(*values, grad: bool = True, shape=None, dtype=None) -> Callable[[torc
     """A test operand in the dtype under test (or a fixed ``dtype``, e.g. integer targets)."""
 
     def make(dt: torch.dtype) -> Tensor:
-        t = torch.tensor(values, dtype=torch.float64 if dtype is None else dtype)
+        fi = torch.finfo(dt) if dt.is_floating_point else None
+        vals = [(-1 if v[0] == "-" else 1) * float(getattr(fi, v.lstrip("-"))) if isinstance(v, str) else v
+                for v in values]  # "max", "-max", "tiny": the dtype's own
+        t = torch.tensor(vals, dtype=torch.float64 if dtype is None else dtype)
         t = t.to(dt) if dtype is None else t
         if shape is not None:
             t = t.reshape(shape)
@@ -75,6 +78,10 @@ class Sample:
     good: Operands
     ctor: dict[str, tuple] = field(default_factory=dict)
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    second_order: bool = True  # False where torch itself has no double backward (ctc_loss)
+    # False where dynamo graph-breaks on the op: under torch.compile it runs outside any graph,
+    # eagerly and unguarded (nanpass.harden guards it)
+    dynamo: bool = True
 
 
 def _derived_functions(name: str) -> tuple[str, ...]:
@@ -99,6 +106,9 @@ class Rule:
     safe: bool = False  # guard None and reported as looked at and left alone
     stable: bool = False  # produced by a stable-form rewrite
     sample: Sample | None = None  # the operands its tests use (every guarded rule has one)
+    # the op is unsafe only for operands of these dtypes (a product overflows float16, not
+    # float32): other calls are not looked at, cost nothing and are not reported
+    only_dtypes: tuple[torch.dtype, ...] = ()
 
     @property
     def guarded(self) -> bool:

@@ -23,11 +23,12 @@ def _function_cases():
             continue
         kind = "module" if rule.name == "multi_head_attention" else "function"
         sp = next(s for s in rule.spellings() if s.kind == kind)
-        yield pytest.param(rule, sp, id=rule.name)
+        # an op dynamo graph-breaks on has no graph to check (test_spellings asserts that)
+        for capture in ("harden", "backend") if rule.sample.dynamo else ("harden",):
+            yield pytest.param(rule, sp, capture, id=f"{rule.name}-{capture}")
 
 
-@pytest.mark.parametrize("capture", ["harden", "backend"])
-@pytest.mark.parametrize("rule,sp", list(_function_cases()))
+@pytest.mark.parametrize("rule,sp,capture", list(_function_cases()))
 def test_check_mode_names_the_op(rule, sp, capture):
     args, kwargs = _inputs(rule, sp)
     keep = sp.kind != "module" or rule.name == "multi_head_attention"
@@ -169,7 +170,8 @@ def test_locate_finds_the_middle_layer(capsys):
     assert finding.forward.site.module == "layers.12" and finding.forward.site.op == "log"
     assert finding.forward.created and finding.forward.kind == "NaN"
     assert finding.backward is None  # the forward NaN explains the backward one
-    assert [e.site.module for e in finding.chain[1:4]] == ["layers.12", "layers.13", "layers.14"]
+    chain = [e.site.module for e in finding.chain[1:]]  # then where the NaN flowed
+    assert chain[0] == "layers.12" and chain.index("layers.13") < chain.index("layers.14")
     assert finding.suggestion.startswith("guard this log (torch.log at ")
     assert "batch index 0" in finding.suggestion
     data = json.loads(finding.to_json())

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the slow tier: subprocess CLI runs
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = pathlib.Path(sys.executable).parent / "nanpass"
 DEMO = "examples/report_demo.py:Model"

@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
 import nanpass
+
+pytestmark = pytest.mark.slow  # the slow tier: two spawned gloo processes per test
 
 
 def _free_port() -> int:

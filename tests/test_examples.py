@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the slow tier: the examples, each in a subprocess
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_")
                   and p.name not in ("quickstart.py", "report_demo.py"))

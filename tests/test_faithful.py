@@ -1283,3 +1283,19 @@ def test_attention_inference_fast_path_is_kept(kind):
     assert torch.isfinite(out).all()
     assert {c.op for c in safe.changes if c.action == "guarded"} <= {"mha_fast_path", "encoder_layer_fast_path"}
     assert safe.changes
+
+
+def test_low_precision_product_guard_follows_autocast():
+    """A float32 nn.Linear under bfloat16 autocast computes in bfloat16: its overflow is guarded;
+    without autocast, float32 products are not looked at (not reported, no cost)."""
+    lin = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(2.0**100)
+    x = torch.full((1, 2), 2.0**100)
+    safe = nanpass.harden(lin)
+    assert torch.isfinite(safe(torch.ones(1, 2))).all() and safe.changes == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.isfinite(lin(x)).all()
+        out = safe(x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert [(c.op, c.action) for c in safe.changes] == [("linear", "guarded")]

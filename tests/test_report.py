@@ -117,6 +117,7 @@ def test_html_escapes_user_strings():
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
 def test_html_in_a_real_browser(tmp_path):
     page = tmp_path / "report.html"
