@@ -17,13 +17,24 @@ HEADER = """# Guards: the contract, op by op
 Generated from the rule table (`nanpass/_rules.py`) by `python -m nanpass._docs > docs/guards.md`;
 `tests/test_docs.py` fails when this file is out of date.
 
-Every guarded op keeps two promises, property-tested per op and per dtype
-(float16, bfloat16, float32, float64) in `tests/test_contract.py`:
+Every guarded op keeps two promises, tested per op and per dtype (float16, bfloat16, float32,
+float64) from the operands each rule carries (`Rule.sample`, `tests/test_rule_contract.py`, eager
+and compiled) and property-tested with hypothesis per op family (`tests/test_contract.py`):
 
-1. **Finite.** For operands that are finite or +-inf, the value and the gradient are finite.
+1. **Finite.** For operands that are finite or +-inf, the value, the gradient and (eager) the
+   second derivative are finite.
 2. **Identity on the safe domain.** Where the original op's value and gradient are finite and
    the operands lie inside the guard's bounds, the value and the gradient are the same, bit for bit,
    in eager mode.
+
+**The model as a whole.** A guard saturates at +-max, and the next ordinary op could overflow
+from there. Ordinary arithmetic past max is out of op-guard scope in float32/float64 (a finite
+result past 3.4e38; the census calls this the overflow policy), but in float16 (max 65504) and
+bfloat16 it is the commonest NaN source: products of ordinary activations (attention scores, a
+T5 feed-forward output). So in float16/bfloat16 — also under autocast — the products (`matmul`,
+`linear`, `addmm`, `bmm`) saturate too, and a model whose inputs are finite stays finite through
+them; float32 products run as written, at no cost. What is not covered yet: sums and residual
+adds that overflow float16 (see docs/census.md for every op and its status).
 
 How: a guard changes only the operands outside the op's safe domain. It clamps them into a
 closed domain on which the op and its derivative are finite (identity inside: clamp's gradient is
@@ -69,6 +80,10 @@ def guards_markdown() -> str:
         out.append(f"- **Guard:** {r.action}.")
         if r.stable:
             out.append("- Also the result of an exact stable-form rewrite.")
+        if r.only_dtypes:
+            names = " and ".join(str(d).replace("torch.", "") for d in r.only_dtypes)
+            out.append(f"- **Applies to:** {names} operands only (also under autocast); others are "
+                       "not looked at and cost nothing.")
         if r.sample is not None and not r.sample.dynamo:
             out.append("- **Under `torch.compile`:** dynamo graph-breaks on this op, so it runs outside "
                        "any graph, eagerly and unguarded; `nanpass.harden` guards it.")

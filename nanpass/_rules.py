@@ -325,6 +325,7 @@ RULES: tuple[Rule, ...] = (
         functions=("F.layer_norm", "torch.layer_norm"),
         sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2)), (2,), None, None, 1e-12),
                       operands(tensor(1.0, 3.0, shape=(1, 2)), (2,)), dtypes=(torch.float16,)),
+        only_dtypes=(torch.float16,),  # an eps such as 1e-12 is 0 only in float16
     ),
     Rule(
         "norm", g.finite_call,
@@ -333,13 +334,17 @@ RULES: tuple[Rule, ...] = (
         action="the result saturated; non-finite gradients become 0",
         functions=("torch.linalg.vector_norm", "torch.norm", "torch.linalg.norm", "torch.linalg.matrix_norm"),
         methods=("norm",), inplace=False,
-        sample=Sample(operands(tensor("max", "max", shape=(1, 2))), operands(tensor(3.0, 4.0, shape=(1, 2)))),
+        sample=Sample(operands(tensor("max", "max", shape=(1, 2))), operands(tensor(3.0, 4.0, shape=(1, 2))),
+                      dtypes=(torch.float16, torch.bfloat16)),
+        only_dtypes=(torch.float16, torch.bfloat16),  # float32 past max: the overflow policy's
     ),
     Rule(
         "normalize", g.finite_call,
-        reason="x / max(||x||, eps): the default eps 1e-12 is 0 in float16, so a zero vector gives 0/0",
+        reason="x / max(||x||, eps): the default eps 1e-12 is 0 in float16, so a zero vector gives 0/0; "
+        "in every dtype its second derivative is NaN",
         action="a NaN result becomes 0; non-finite gradients become 0",
         functions=("F.normalize",),
+        # float32 too: a zero vector's second derivative is NaN (the census's probe)
         sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2))), operands(tensor(3.0, 4.0, shape=(1, 2))),
                       dtypes=(torch.float16,)),
     ),
