@@ -56,14 +56,17 @@ def _float_operand(args, kwargs) -> bool:
 
 
 def _any_dtype(args, dtypes) -> bool:
-    for a in args:  # noqa: SIM110 - runs on every call of such a rule
+    first = None
+    for a in args:  # runs on every call of such a rule: a loop, no generator
         if isinstance(a, Tensor):
             if a.dtype in dtypes:
                 return True
-            # under autocast a float32 product is computed (and can overflow) in low precision
-            if torch.is_autocast_enabled(a.device.type):
-                return torch.get_autocast_dtype(a.device.type) in dtypes
-    return False
+            first = a if first is None else first
+    if first is None:
+        return False
+    # under autocast a float32 product is computed (and can overflow) in low precision
+    device = "cuda" if first.is_cuda else "cpu"
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in dtypes
 
 
 class Sites:
@@ -235,6 +238,9 @@ class GuardMode(TorchFunctionMode):
         except TypeError:  # an unhashable callable
             hit = None
         if hit is not None:
+            rule = hit[0]
+            if rule.only_dtypes and not hit[2] and not _any_dtype(args, rule.only_dtypes):
+                return func(*args, **(kwargs or {}))  # not unsafe in this dtype: not looked at
             return self.sites.call(hit, args, kwargs or {})
         # anything else runs as called; a torch composite written in Python (F.normalize)
         # runs with the mode off, as each of torch's own functions re-dispatches to a mode
