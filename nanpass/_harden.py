@@ -87,6 +87,21 @@ class Hardened(torch.nn.Module):
             return _guarded_method(self.__dict__["_nanpass_sites"], value)
         return value
 
+    def __setattr__(self, name: str, value) -> None:
+        # safe.temperature = 0.5 must reach the model whose forward reads self.temperature
+        model = self.__dict__.get("_nanpass_model")
+        if model is None or name == "training" or name.startswith("_nanpass") or name in type(self).__dict__:
+            super().__setattr__(name, value)
+        else:
+            setattr(model, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        model = self.__dict__.get("_nanpass_model")
+        if model is None or name.startswith("_nanpass") or name in self.__dict__:
+            super().__delattr__(name)
+        else:
+            delattr(model, name)
+
     def __reduce__(self):
         return (_rebuild, (self._nanpass_model, self._nanpass_config, self._nanpass_shapes))
 

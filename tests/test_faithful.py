@@ -1299,3 +1299,25 @@ def test_low_precision_product_guard_follows_autocast():
         out = safe(x)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert [(c.op, c.action) for c in safe.changes] == [("linear", "guarded")]
+
+
+def test_attributes_set_on_the_hardened_model_reach_the_original():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+            self.temperature = 1.0
+
+        def forward(self, x):
+            return torch.softmax(self.fc(x) / self.temperature, -1)
+
+    model = Scaled()
+    safe = nanpass.harden(model)
+    x = torch.randn(B, D)
+    safe.temperature = 0.25  # as a user tunes it on the object they train
+    assert model.temperature == 0.25
+    assert torch.equal(bits(safe(x)), bits(model(x)))
+    safe.extra = nn.Linear(D, D)  # a module assigned on the hardened model is the model's
+    assert model.extra is safe.extra and "extra.weight" in model.state_dict()
+    del safe.extra
+    assert not hasattr(model, "extra")
