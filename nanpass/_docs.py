@@ -40,7 +40,11 @@ How: a guard changes only the operands outside the op's safe domain. It clamps t
 closed domain on which the op and its derivative are finite (identity inside: clamp's gradient is
 exactly the incoming gradient there, and zero outside), maps +-inf to +-max with `nan_to_num`, and puts
 a *finite-gradient fence* between the clamp and the op: identity forward; in backward a gradient
-that is not finite (the derivative of sqrt at 0, of acos at 1) becomes 0. The op never sees an
+that is not finite (the derivative of sqrt at 0, of acos at 1) becomes 0 — unless the gradient
+that arrived at the guard's result was already non-finite (a loss-scale overflow, a NaN from
+further up): a probe on the result records that on the device (no sync), and then the fence
+passes the gradient as it came, so GradScaler and StepGuard still see it. A guard zeroes only its
+own op's singular derivative (`tests/test_rule_contract.py`, `tests/test_mixed_precision.py`). The op never sees an
 unsafe operand, so the double-where trap (`torch.where(d != 0, x / d, 0)` has a NaN gradient at
 d = 0, because 0 * inf = NaN) cannot happen.
 

@@ -57,19 +57,60 @@ def _zero_nonfinite(t: Tensor) -> Tensor:
     return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-class _FiniteGrad(torch.autograd.Function):
+class Upstream:
+    """What one guard call's backward learns from the gradient arriving at its result: whether
+    it was finite everywhere (a 0-d bool tensor on the device; no sync)."""
+
+    __slots__ = ("ok", "used")
+
+    def __init__(self):
+        self.ok = None
+        self.used = False  # a fence asked: only then is the result probed
+
+
+# the Upstream of the guard that is running: its fences read it in backward
+FENCE: contextvars.ContextVar = contextvars.ContextVar("nanpass_fence", default=None)
+
+
+class _Probe(torch.autograd.Function):
+    """Identity on a guard's result; in backward it records whether the arriving gradient is
+    finite, before the op's own backward runs (autograd's order) and the fences read it."""
+
     @staticmethod
-    def forward(x):
+    def forward(x, state):
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.state = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        ok = torch.isfinite(grad).all()
+        st = ctx.state
+        st.ok = ok if st.ok is None else st.ok & ok
+        return grad, None
+
+
+class _FiniteGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(x, state):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.state = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
         # a fresh tensor: never write into grad (it may be an expanded view)
-        return _zero_nonfinite(grad)
+        zeroed = _zero_nonfinite(grad)
+        ok = ctx.state.ok if ctx.state is not None else None
+        if ok is None:
+            return zeroed, None
+        # a non-finite gradient from upstream (a loss-scale overflow) passes as it came, for
+        # GradScaler and StepGuard to see; only the op's own singular derivative is zeroed
+        return torch.where(ok, zeroed, grad), None
 
 
 class _Finite(torch.autograd.Function):
@@ -89,10 +130,40 @@ class _Finite(torch.autograd.Function):
 
 
 def finite_grad(x):
-    """Identity whose backward replaces a non-finite gradient by 0."""
+    """Identity whose backward replaces a non-finite gradient by 0, unless the gradient that
+    reached the running guard's result was already non-finite (then it passes unchanged)."""
     if isinstance(x, Tensor) and x.requires_grad:
-        return _FiniteGrad.apply(x)
+        state = FENCE.get()
+        if state is not None:
+            state.used = True
+        return _FiniteGrad.apply(x, state)
     return x
+
+
+def probed(out, state: Upstream):
+    """``out`` with a probe on each tensor that carries a gradient."""
+    if isinstance(out, Tensor):
+        return _Probe.apply(out, state) if out.requires_grad else out
+    if isinstance(out, tuple) and any(isinstance(o, Tensor) and o.requires_grad for o in out):
+        items = [_Probe.apply(o, state) if isinstance(o, Tensor) and o.requires_grad else o for o in out]
+        if type(out) is tuple:
+            return tuple(items)
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    return out
+
+
+def fenced(impl, fn, args, kwargs, consts):
+    """Run a guard: its fences learn from a probe on its result whether the gradient that
+    arrives there is finite (exact backward: zero only the op's own singular derivative)."""
+    if not torch.is_grad_enabled():
+        return impl(fn, args, kwargs, consts)
+    state = Upstream()
+    token = FENCE.set(state)
+    try:
+        out = impl(fn, args, kwargs, consts)
+    finally:
+        FENCE.reset(token)
+    return probed(out, state) if state.used else out
 
 
 def finite(x):

@@ -20,7 +20,7 @@ from . import _stable
 from ._check import Site, check_input, checked, created_flag, first_flag
 from ._config import Config
 from ._errors import RewriteError
-from ._guards import COUNTER
+from ._guards import COUNTER, fenced
 from ._rules import BY_NAME, Rule, Spelling, match
 from ._source import input_name, module_path, user_frame
 from ._stats import Counter
@@ -90,7 +90,7 @@ def make_guard(rule: Rule, sp: Spelling, consts=None):
         def guard(module, *args, **kwargs):
             if not _has_float(args, kwargs):
                 return module(*args, **kwargs)
-            return impl(module, args, kwargs, consts)
+            return fenced(impl, module, args, kwargs, consts)
 
     elif sp.inplace:
         written, plain = sp.call, sp.outplace
@@ -100,7 +100,7 @@ def make_guard(rule: Rule, sp: Spelling, consts=None):
                 return written(*args, **kwargs)
             # guard a copy: autograd forbids writing into the base of the guard's views
             operand = (args[0].clone(), *args[1:])
-            return args[0].copy_(impl(plain, operand, kwargs, consts))
+            return args[0].copy_(fenced(impl, plain, operand, kwargs, consts))
 
     else:
         fn = sp.call
@@ -110,8 +110,8 @@ def make_guard(rule: Rule, sp: Spelling, consts=None):
                 return fn(*args, **kwargs)
             if kwargs.get("out") is not None:  # torch.log(x, out=y): guard, then write y
                 out = kwargs.pop("out")
-                return out.copy_(impl(fn, args, kwargs, consts))
-            return impl(fn, args, kwargs, consts)
+                return out.copy_(fenced(impl, fn, args, kwargs, consts))
+            return fenced(impl, fn, args, kwargs, consts)
 
     guard.__name__ = guard.__qualname__ = f"guard_{rule.name}"
     guard.__module__ = "nanpass"

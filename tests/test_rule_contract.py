@@ -132,3 +132,22 @@ def test_good_operands_are_left_as_they_are(rule, dtype, compiled):
 
 def test_every_guarded_rule_carries_operands():
     assert all(r.sample is not None for r in RULES if r.guarded and r.name not in NO_SAMPLE)
+
+
+@pytest.mark.parametrize("upstream", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("rule,dtype,compiled", GOOD_CASES)
+def test_a_non_finite_upstream_gradient_passes_through(rule, dtype, compiled, upstream):
+    """Exact backward: a loss-scale overflow (inf) or a NaN already in the gradient reaches the
+    operands as it would without the guard, for GradScaler and StepGuard to see; the guard
+    zeroes only its own op's singular derivative (the bad-operand test above)."""
+    guarded, original = _callables(rule, dtype, compiled)
+    masks = []
+    for fn in (original, guarded):
+        args, kwargs = rule.sample.good(dtype)
+        outs = [o for o in _floats(fn(*args, **kwargs)) if o.requires_grad]
+        leaves = _leaves(args, kwargs)
+        grads = torch.autograd.grad(outs, leaves, [torch.full_like(o, upstream) for o in outs], allow_unused=True)
+        masks.append([None if g is None else ~torch.isfinite(g) for g in grads])
+    for want, got in zip(*masks, strict=True):
+        if want is not None:
+            assert got is not None and torch.equal(got, want), f"{rule.name}: non-finite {want} became {got}"
