@@ -166,10 +166,26 @@ def _divisor_safe(args, kwargs):
     return None
 
 
+def _dtype(x) -> torch.dtype | None:
+    """The dtype of a tensor operand, or of a graph node's recorded value."""
+    if isinstance(x, Tensor):
+        return x.dtype
+    meta = getattr(x, "meta", None)
+    v = meta.get("example_value", meta.get("val")) if isinstance(meta, dict) else None
+    return v.dtype if isinstance(v, Tensor) else None
+
+
 def _exponent_safe(args, kwargs):
     p = args[1] if len(args) > 1 else kwargs.get("exponent")
     if _number(p) and p in (0, 1):
         return f"exponent {p!r} is finite with a finite gradient everywhere"
+    base = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    dtype = _dtype(base)
+    if _number(p) and float(p).is_integer() and p >= 2 and dtype in (torch.float32, torch.float64):
+        # x ** 3 is x * x * x: past max only for |x| > cbrt(max) (7e12 in float32), the
+        # overflow of ordinary arithmetic (docs/census.md); in float16 (40) it is guarded
+        return (f"integer power {p!r} of a {str(dtype)[6:]} base: finite with a finite gradient "
+                f"unless the base is past {torch.finfo(dtype).max ** (1 / (p)):.3g}")
     return None
 
 

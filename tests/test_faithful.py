@@ -1090,7 +1090,8 @@ def test_changes_name_the_submodule_and_source_line():
     for c in changes:
         assert c.module in paths, c
         assert c.source is not None and c.source.startswith(THIS_FILE + ":"), c
-        assert c.action == "guarded", c
+        # x ** 2 of a float32 base is left (it overflows only past 1.8e19); the rest are guarded
+        assert c.action == ("left" if c.op == "pow" else "guarded"), c
     log = by_op[("log", "block.fc")]
     assert log.module_type == "Leaf"
     assert "torch.log" in (log.code or ""), log

@@ -371,3 +371,19 @@ def test_a_model_dynamo_cannot_see_into_is_guarded_too():
 
     out = nanpass.harden(Opaque())(torch.tensor([1.0, 0.0]))
     assert torch.isfinite(out).all() and out[0] == 0
+
+
+@pytest.mark.parametrize("dtype,guarded", [(torch.float16, True), (torch.bfloat16, True),
+                                           (torch.float32, False), (torch.float64, False)])
+def test_integer_powers_are_guarded_where_they_overflow(dtype, guarded):
+    """x ** 3 overflows float16 past |x| = 40 (GPT-2's gelu_new); in float32 only past 7e12, the
+    overflow of ordinary arithmetic: left as written there, at no cost."""
+    safe = nanpass.harden(Fn(lambda x: x ** 3))
+    x = torch.tensor([100.0, -2.0, 1e30], dtype=torch.float64).to(dtype).requires_grad_()
+    out = safe(x)
+    assert [c.action for c in safe.changes] == ["guarded" if guarded else "left"]
+    if guarded:
+        out.sum().backward()
+        assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    else:
+        assert torch.equal(out, x ** 3)

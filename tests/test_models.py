@@ -98,8 +98,9 @@ def t5():
     return transformers.T5ForConditionalGeneration(cfg).eval()
 
 
-@pytest.mark.parametrize("make,guarded", [(llama, {"pow", "rsqrt", "cross_entropy"}),
-                                          (t5, {"pow", "rsqrt", "log", "cross_entropy"})])
+# RMSNorm's hidden.pow(2) is left in float32 (it overflows only past 1.8e19; guarded in float16)
+@pytest.mark.parametrize("make,guarded", [(llama, {"rsqrt", "cross_entropy"}),
+                                          (t5, {"rsqrt", "log", "cross_entropy"})])
 def test_decoders_bitwise_and_generate_guarded(make, guarded):
     """Models nobody here wrote: same logits and loss bit for bit, and ``generate`` through the
     hardened model runs guarded and picks the same tokens."""
