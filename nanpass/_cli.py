@@ -36,10 +36,14 @@ class CliError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(
         prog="nanpass", description="Show what nanpass rewrites in a PyTorch model.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"nanpass {__version__}",
+                   help="print the nanpass version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="{report,scan}")
     for name, text in (("report", "harden the model and print the report of every change"),
                        ("scan", "list the unsafe ops nanpass finds, without changing anything")):
@@ -130,7 +134,7 @@ def _run(args) -> int:
     if args.command == "scan":
         found = [c for c in report.changes if c.action != "left" and not c.after_stable]
         if args.format == "text":
-            text = f"{len(found)} unsafe ops found in {report.model}\n" + "".join(
+            text = f"{len(found)} unsafe op{'s' if len(found) != 1 else ''} found in {report.model}\n" + "".join(
                 f"  {c.op:20} {c.spelling:28} {c.module or '<root>'}  {_rel(c.source) or ''}\n"
                 for c in found
             )

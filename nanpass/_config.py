@@ -27,6 +27,13 @@ def _near(value: str, valid: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _flag(what: str, value) -> bool:
+    # a bool only: "false", "no", 0 or None read as True or False by accident, never silently
+    if not isinstance(value, bool):
+        raise ConfigError(f"nanpass: {what} must be True or False, got {value!r}")
+    return value
+
+
 def _names(what: str, value, valid: tuple[str, ...]) -> frozenset[str]:
     if isinstance(value, str):
         value = [value]
@@ -118,16 +125,26 @@ def make_config(
     quarantine: bool = False,
     module_paths: Iterable[str] | None = None,
 ) -> Config:
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ConfigError(f"nanpass: unknown mode {mode!r}; valid modes: {_choices(MODES)}")
-    if inner not in INNERS:
+    if not isinstance(inner, str) or inner not in INNERS:
         raise ConfigError(f"nanpass: unknown inner compiler {inner!r}; valid: {_choices(INNERS)}")
+    stable, shape_checks = _flag("stable", stable), _flag("shape_checks", shape_checks)
+    count, quarantine = _flag("count", count), _flag("quarantine", quarantine)
 
     chosen = set(GUARDED) if ops is None else set(_names("ops", ops, GUARDED))
     chosen -= _names("exclude_ops", exclude_ops, GUARDED)
     if isinstance(exclude, str):
         exclude = [exclude]
-    paths = tuple(str(p) for p in exclude)
+    try:
+        paths = tuple(exclude)
+    except TypeError:
+        raise ConfigError(f"nanpass: exclude must be a list of module paths (e.g. ['encoder.layers.0']), "
+                          f"got {exclude!r}") from None
+    for p in paths:
+        if not isinstance(p, str):
+            raise ConfigError(f"nanpass: exclude must be a list of module paths (e.g. ['encoder.layers.0']), "
+                              f"got {p!r} in it")
     if module_paths is not None:
         valid = [p for p in module_paths if p]
         for p in paths:
@@ -137,6 +154,9 @@ def make_config(
                     f"nanpass: exclude names module {p!r}, which the model does not have"
                     f"{_near(p, valid)}; its modules: {shown or '(none)'}"
                 )
+    if constants is not None and not isinstance(constants, Mapping):
+        raise ConfigError(f"nanpass: constants must be a dict of op name to a dict of constants "
+                          f"(e.g. {{'log': {{'lo': 1e-6}}}}), got {constants!r}")
     consts = []
     for op, values in (constants or {}).items():
         if op not in GUARDED:
@@ -168,10 +188,10 @@ def make_config(
         ops=frozenset(chosen),
         exclude=paths,
         constants=tuple(sorted(consts)),
-        stable=bool(stable),
-        shape_checks=bool(shape_checks),
-        count=bool(count) or mode == "guard+check",
-        quarantine=bool(quarantine),
+        stable=stable,
+        shape_checks=shape_checks,
+        count=count or mode == "guard+check",
+        quarantine=quarantine,
         dynamic_dims=tuple(sorted(dynamic_dims_of(dynamic_dims).items())),
         inner=inner,
     )

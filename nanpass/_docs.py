@@ -29,12 +29,13 @@ and compiled) and property-tested with hypothesis per op family (`tests/test_con
 
 **The model as a whole.** A guard saturates at +-max, and the next ordinary op could overflow
 from there. Ordinary arithmetic past max is out of op-guard scope in float32/float64 (a finite
-result past 3.4e38; the census calls this the overflow policy), but in float16 (max 65504) and
-bfloat16 it is the commonest NaN source: products of ordinary activations (attention scores, a
-T5 feed-forward output). So in float16/bfloat16 — also under autocast — the products (`matmul`,
-`linear`, `addmm`, `bmm`) saturate too, and a model whose inputs are finite stays finite through
-them; float32 products run as written, at no cost. What is not covered yet: sums and residual
-adds that overflow float16 (see docs/census.md for every op and its status).
+result past 3.4e38; the census calls this the overflow policy), but in float16 (max 65504) it is
+the commonest NaN source: products of ordinary activations (attention scores, a T5 feed-forward
+output), `x ** 3` past 40. So in float16 — also under autocast — the products (`matmul`,
+`linear`, `addmm`, `bmm`) saturate too, and a model whose inputs are finite stays finite
+through them. bfloat16 has float32's range (max 3.4e38): there, as in float32, products and
+integer powers run as written, at no cost. Not covered yet: sums and residual adds that overflow
+float16 (docs/census.md lists every op and its status).
 
 How: a guard changes only the operands outside the op's safe domain. It clamps them into a
 closed domain on which the op and its derivative are finite (identity inside: clamp's gradient is

@@ -241,7 +241,8 @@ def harden(
         )
     config = make_config(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
-        stable=stable, count=count, quarantine=quarantine, module_paths=[name for name, _ in model.named_modules()],
+        stable=stable, count=count, quarantine=quarantine, shape_checks=shape_checks,
+        module_paths=[name for name, _ in model.named_modules()],
     )
     shapes = None
     if shape_checks:

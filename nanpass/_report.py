@@ -63,7 +63,10 @@ class Report:
             "model": self.model,
             "summary": self.summary(),
             "counts": {
-                "by_action": dict(sorted(Counter(c.action for c in changes).items())),
+                # counted as the summary counts: a guard on the result of a stable form is
+                # part of that form, not another unsafe op (it stays in "changes", marked)
+                "by_action": dict(sorted(Counter(
+                    c.action for c in changes if c.action == "left" or not c.after_stable).items())),
                 "by_op": dict(sorted(Counter(
                     c.op for c in changes if c.action != "left" and not c.after_stable).items())),
             },
@@ -122,25 +125,28 @@ class Report:
         return f"<nanpass.Report {self.model}: {self.summary()}>"
 
     def to_markdown(self) -> str:
-        out = [f"# nanpass report: {self.model}", "", f"**{self.summary()}**", ""]
+        """GitHub-flavoured markdown. Every user string stays text: HTML-escaped in table cells,
+        or inside a code span whose backtick fence it cannot close."""
+        out = [f"# nanpass report: {_md(self.model)}", "", f"**{_md(self.summary())}**", ""]
         for i, g in enumerate(self.graphs):
-            out.append(f"## Graph {i} ({g.capture} capture)")
+            out.append(f"## Graph {i} ({_md(g.capture)} capture)")
             out.append("")
             out.append("| action | op | spelling | module | source | guard / reason | constants |")
             out.append("|---|---|---|---|---|---|---|")
             for c in g.changes:
                 module = _md(c.module or "<root>") + (f" ({_md(c.module_type)})" if c.module_type else "")
-                source = f"`{_md(_rel(c.source))}` `{_md(c.code)}`" if c.source else ""
+                source = f"{_md_code(_rel(c.source))} {_md_code(c.code)}" if c.source else ""
                 text = _md(c.guard + " — " + c.reason if c.guard else c.reason)
-                consts = ", ".join(f"{k}={_fmt(v)}" for k, v in c.constants)
-                consts = f"{c.dtype}: {consts}" if consts else ""
-                out.append(f"| {c.action} | {c.op} | `{_md(c.spelling)}` | {module} | {source} | {text} | {consts} |")
+                consts = ", ".join(f"{_md(k)}={_fmt(v)}" for k, v in c.constants)
+                consts = f"{_md(c.dtype)}: {consts}" if consts else ""
+                out.append(f"| {_md(c.action)} | {_md(c.op)} | {_md_code(c.spelling)} | {module} | {source} "
+                           f"| {text} | {consts} |")
             out.append("")
             if g.asserts:
                 out.append("| shape assert | enforces | entering | produced by |")
                 out.append("|---|---|---|---|")
-                out.extend(f"| `{a.node}` | `{a.shape_text()}` | {_md(a.entering)} | {_md(a.produced_by)} |"
-                           for a in g.asserts)
+                out.extend(f"| {_md_code(a.node)} | {_md_code(a.shape_text())} | {_md(a.entering)} "
+                           f"| {_md(a.produced_by)} |" for a in g.asserts)
                 out.append("")
         return "\n".join(out)
 
@@ -232,8 +238,26 @@ def _code_html(title: str, code: str, marks: dict, prefix: str) -> str:
     return f'<div class="code"><h3>{title}</h3><pre>' + "".join(rows) + "</pre></div>"
 
 
+def _md_cell(s: str | None) -> str:
+    # a table cell is one line, and a | would end it (GFM reads \| as a | even in a code span)
+    return " ".join((s or "").splitlines()).replace("|", "\\|")
+
+
 def _md(s: str | None) -> str:
-    return (s or "").replace("|", "\\|").replace("\n", " ")
+    """A user string as markdown text: ``<``, ``>`` and ``&`` escaped, so a module named
+    ``<script>...</script>`` is shown, never embedded as HTML."""
+    return _md_cell(html.escape(s or "", quote=False))
+
+
+def _md_code(s: str | None) -> str:
+    """A user string as a markdown code span (its content is literal text, HTML included): the
+    fence is one backtick longer than the longest run of backticks in it, so it cannot be closed
+    early and let the rest through as markdown/HTML."""
+    s = _md_cell(s)
+    runs = re.findall(r"`+", s)
+    fence = "`" * (max(map(len, runs), default=0) + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") else ""
+    return f"{fence}{pad}{s}{pad}{fence}"
 
 
 _COLORS = {"guarded": "32", "stable": "36", "left": "33"}

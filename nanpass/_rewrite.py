@@ -395,11 +395,11 @@ def summary(changes: list[Change]) -> str:
     guarded = sum(c.action == "guarded" for c in done)
     checked = sum(c.action == "checked" for c in done)
     stable = len(done) - guarded - checked
+    head = (f"{len(done)} unsafe op{'s' if len(done) != 1 else ''} in {modules} "
+            f"module{'s' if modules != 1 else ''}{': ' + by_op if by_op else ''} \u2014 ")
     if checked:
-        return (f"{len(done)} unsafe ops in {modules} module{'s' if modules != 1 else ''}"
-                f"{': ' + by_op if by_op else ''} \u2014 {checked} checked for NaN/Inf")
+        return f"{head}{checked} checked for NaN/Inf"
     return (
-        f"{len(done)} unsafe ops in {modules} module{'s' if modules != 1 else ''}"
-        f"{': ' + by_op if by_op else ''} \u2014 {guarded} guarded, {stable} stable form"
+        f"{head}{guarded} guarded, {stable} stable form"
         f"{'s' if stable != 1 else ''}, {len(left)} left alone"
     )

@@ -181,9 +181,10 @@ def _exponent_safe(args, kwargs):
         return f"exponent {p!r} is finite with a finite gradient everywhere"
     base = args[0] if args else kwargs.get("input", kwargs.get("self"))
     dtype = _dtype(base)
-    if _number(p) and float(p).is_integer() and p >= 2 and dtype in (torch.float32, torch.float64):
+    if _number(p) and float(p).is_integer() and p >= 2 and dtype in (torch.float32, torch.float64, torch.bfloat16):
         # x ** 3 is x * x * x: past max only for |x| > cbrt(max) (7e12 in float32), the
-        # overflow of ordinary arithmetic (docs/census.md); in float16 (40) it is guarded
+        # overflow of ordinary arithmetic (docs/census.md); bfloat16 has float32's range; in
+        # float16 (past 40) it is guarded
         return (f"integer power {p!r} of a {str(dtype)[6:]} base: finite with a finite gradient "
                 f"unless the base is past {torch.finfo(dtype).max ** (1 / (p)):.3g}")
     return None

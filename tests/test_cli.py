@@ -106,3 +106,33 @@ def test_a_model_dynamo_cannot_see_into(tmp_path):
 def test_help_says_it_runs_the_file():
     code, out, _ = run("report", "--help")
     assert code == 0 and "imports PATH, which runs the code in it" in out
+
+
+def test_version():
+    import nanpass
+
+    for script in (True, False):  # the console script and python -m nanpass
+        code, out, err = run("--version", script=script)
+        assert (code, out, err) == (0, f"nanpass {nanpass.__version__}\n", "")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'\nversion = "{nanpass.__version__}"\n' in pyproject  # one version, the package's
+
+
+def test_license_file_matches_pyproject():
+    assert '\nlicense = "MIT"\n' in (ROOT / "pyproject.toml").read_text()
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License\n\nCopyright (c) 2026 the nanpass developers\n")
+    assert "Permission is hereby granted, free of charge, to any person obtaining a copy" in text
+    assert 'THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND' in text
+
+
+def test_scan_counts_one_op_in_the_singular(tmp_path):
+    src = tmp_path / "one.py"
+    src.write_text("import torch\nclass One(torch.nn.Module):\n"
+                   "    def forward(self, x):\n        return torch.log(x)\n")
+    code, out, err = run("scan", f"{src}:One", "--input-shape", "3")
+    assert code == 0, err
+    assert out.startswith("1 unsafe op found in One\n  log ")
+    code, out, err = run("report", f"{src}:One", "--input-shape", "3")
+    assert code == 0, err
+    assert out.startswith("nanpass report: One\n1 unsafe op in 1 module: 1 log \u2014 1 guarded")

@@ -1287,38 +1287,19 @@ def test_attention_inference_fast_path_is_kept(kind):
 
 
 def test_low_precision_product_guard_follows_autocast():
-    """A float32 nn.Linear under bfloat16 autocast computes in bfloat16: its overflow is guarded;
-    without autocast, float32 products are not looked at (not reported, no cost)."""
+    """A float32 nn.Linear under float16 autocast computes in float16: its overflow is guarded;
+    without autocast (or under bfloat16 autocast: float32's range), products are not looked at
+    (not reported, no cost)."""
     lin = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
-        lin.weight.fill_(2.0**100)
-    x = torch.full((1, 2), 2.0**100)
+        lin.weight.fill_(2.0**10)
+    x = torch.full((1, 2), 2.0**10)
     safe = nanpass.harden(lin)
-    assert torch.isfinite(safe(torch.ones(1, 2))).all() and safe.changes == []
+    assert torch.isfinite(safe(x)).all() and safe.changes == []
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(safe(x)).all() and safe.changes == []
+    with torch.autocast("cpu", dtype=torch.float16):
         assert not torch.isfinite(lin(x)).all()
         out = safe(x)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
     assert [(c.op, c.action) for c in safe.changes] == [("linear", "guarded")]
-
-
-def test_attributes_set_on_the_hardened_model_reach_the_original():
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(D, D)
-            self.temperature = 1.0
-
-        def forward(self, x):
-            return torch.softmax(self.fc(x) / self.temperature, -1)
-
-    model = Scaled()
-    safe = nanpass.harden(model)
-    x = torch.randn(B, D)
-    safe.temperature = 0.25  # as a user tunes it on the object they train
-    assert model.temperature == 0.25
-    assert torch.equal(bits(safe(x)), bits(model(x)))
-    safe.extra = nn.Linear(D, D)  # a module assigned on the hardened model is the model's
-    assert model.extra is safe.extra and "extra.weight" in model.state_dict()
-    del safe.extra
-    assert not hasattr(model, "extra")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -149,3 +150,98 @@ def test_stable_forms_are_marked_as_changing_rounding():
     assert sorted(c["guard"] for c in changes if c["changes_rounding"]) == [
         "log(1 + x) -> log1p(x)", "log(softmax(x)) -> log_softmax(x)"]
     assert not any(c["changes_rounding"] for c in json.loads(nanpass.report(default).to_json())["graphs"][0]["changes"])
+
+
+def test_summary_says_op_for_one():
+    safe = nanpass.harden(Backticks())
+    safe(torch.rand(2))
+    assert nanpass.report(safe).summary() == (
+        "1 unsafe op in 1 module: 1 log \u2014 1 guarded, 0 stable forms, 0 left alone")
+    checked = nanpass.harden(Backticks(), mode="check")
+    checked(torch.rand(2))
+    assert nanpass.report(checked).summary() == "1 unsafe op in 1 module: 1 log \u2014 1 checked for NaN/Inf"
+    # one op guarded, the other left alone: "1 unsafe op", and "1 left alone" as it was
+    odd = nanpass.harden(Odd(), exclude=["<script>alert(1)</script>"])
+    odd(torch.rand(2, 3))
+    assert nanpass.report(odd).summary() == (
+        "1 unsafe op in 1 module: 1 div \u2014 1 guarded, 0 stable forms, 1 left alone")
+    assert nanpass.summary([]) == "0 unsafe ops in 0 modules \u2014 0 guarded, 0 stable forms, 0 left alone"
+
+
+_SUMMARY = re.compile(r"^(\d+) unsafe ops? in \d+ modules?(?:: [^\u2014]*)? \u2014 "
+                      r"(\d+) guarded, (\d+) stable forms?, (\d+) left alone$")
+
+
+def _summary_counts(summary: str) -> dict[str, int]:
+    m = _SUMMARY.match(summary)
+    assert m, summary
+    total, guarded, stable, left = map(int, m.groups())
+    assert total == guarded + stable
+    return {k: n for k, n in (("guarded", guarded), ("left", left), ("stable", stable)) if n}
+
+
+def test_json_counts_agree_with_the_summary():
+    class LogSoftmax(torch.nn.Module):
+        def forward(self, x):
+            return torch.log(torch.softmax(x, -1))
+
+    be = nanpass.backend(inner="eager", stable=True)
+    torch.compile(LogSoftmax(), backend=be)(torch.randn(3, 4))
+    report = nanpass.report(be)
+    data = json.loads(report.to_json())
+    # the stable form, then a guard on its result: one unsafe op, not two
+    assert [(c["action"], c["after_stable"]) for c in data["graphs"][0]["changes"]] == [
+        ("stable", False), ("guarded", True)]
+    assert data["summary"] == "1 unsafe op in 1 module: 1 log_softmax \u2014 0 guarded, 1 stable form, 0 left alone"
+    assert data["counts"] == {"by_action": {"stable": 1}, "by_op": {"log_softmax": 1}}
+    assert data["counts"]["by_action"] == _summary_counts(data["summary"])
+    for make in REPORTS.values():  # and where nothing is after a stable form
+        data = json.loads(make().to_json())
+        assert data["counts"]["by_action"] == _summary_counts(data["summary"])
+
+
+def _outside_code_spans(md: str) -> str:
+    # CommonMark: a run of n backticks opens a code span closed by the next run of exactly n
+    out, i = [], 0
+    for m in re.finditer(r"`+", md):
+        if m.start() < i:
+            continue
+        close = re.compile(r"(?<!`)" + m.group() + r"(?!`)").search(md, m.end())
+        if close is None:
+            continue
+        out.append(md[i:m.start()])
+        i = close.end()
+    return "".join(out) + md[i:]
+
+
+class Backticks(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x)  # `<script>alert(2)</script>` `` <img src=x onerror=alert(3)> ``
+
+
+def test_markdown_escapes_user_strings():
+    safe = nanpass.harden(Odd())
+    safe(torch.rand(2, 3))
+    md = nanpass.report(safe).to_markdown()
+    assert "| &lt;script&gt;alert(1)&lt;/script&gt; (Softmax) |" in md
+    assert "| &lt;root&gt; (Odd) |" in md
+    outside = _outside_code_spans(md)
+    assert "<" not in outside and ">" not in outside  # every raw < is inside a code span
+    # a source line with backticks cannot close its code span early and let HTML through
+    safe = nanpass.harden(Backticks())
+    safe(torch.rand(2))
+    md = nanpass.report(safe).to_markdown()
+    assert "``` return torch.log(x)  # `<script>alert(2)</script>` `` <img src=x onerror=alert(3)> `` ```" in md
+    outside = _outside_code_spans(md)
+    assert "<" not in outside and ">" not in outside
+
+
+def test_markdown_renders_without_html_elements_from_user_strings():
+    markdown_it = pytest.importorskip("markdown_it")
+    for model in (Odd(), Backticks()):
+        safe = nanpass.harden(model)
+        safe(torch.rand(2, 3))
+        md = nanpass.report(safe).to_markdown()
+        page = markdown_it.MarkdownIt("commonmark", {"html": True}).enable("table").render(md)
+        assert "<script" not in page and "<img" not in page and "<root" not in page
+        assert page.count("<tr>") == 1 + len(nanpass.report(safe).changes)  # the table survives

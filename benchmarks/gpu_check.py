@@ -1,0 +1,214 @@
+"""Checks that need a GPU, in one short run (a lent machine's time is scarce):
+
+1. the guard contract on CUDA kernels, per rule and dtype, from the operands each rule carries:
+   bad operands -> finite values and gradients; good operands -> the original's bits; an inf
+   upstream gradient passes through;
+2. GPT-2 (12 layers, 768 wide) train step, hardened vs plain, float32 and bfloat16 autocast:
+   time and peak memory (torch.cuda.max_memory_allocated), and the compiled step vs inductor;
+3. GradScaler with float16 autocast: the hardened run's scale trajectory equals the plain one.
+
+    PYTHONPATH=. python benchmarks/gpu_check.py [--json out.json] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+
+import nanpass
+from nanpass._config import make_config
+from nanpass._rewrite import make_guard
+from nanpass._rules import RULES
+
+DEV = "cuda"
+CONFIG = make_config()
+
+
+def _to_dev(args, kwargs):
+    def mv(a):
+        if isinstance(a, torch.Tensor):
+            return a.detach().to(DEV).requires_grad_(a.requires_grad)
+        return a
+
+    return tuple(mv(a) for a in args), {k: mv(v) for k, v in kwargs.items()}
+
+
+def _floats(out):
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
+
+
+def _grads(fn, args, kwargs, upstream=None):
+    torch.manual_seed(0)
+    outs = _floats(fn(*args, **kwargs))
+    leaves = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
+    ups = [torch.full_like(o, upstream) if upstream is not None else torch.ones_like(o) for o in outs]
+    grads = torch.autograd.grad(outs, leaves, ups, allow_unused=True) if outs else []
+    return outs, [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)]
+
+
+def contract() -> dict:
+    res = {"checked": 0, "failures": []}
+    for rule in RULES:
+        if not rule.guarded or rule.sample is None:
+            continue
+        kind = "module" if rule.name == "multi_head_attention" else "function"
+        sp = next(s for s in rule.spellings() if s.kind == kind)
+        g = make_guard(rule, sp, CONFIG.consts(rule.name) if rule.constants else None)
+        for dtype in rule.sample.dtypes:
+            try:
+                if sp.kind == "module":
+                    torch.manual_seed(0)
+                    mod = sp.target(*rule.sample.ctor[sp.name]).to(DEV, dtype)
+                    guarded, original = (lambda *a, _g=g, _m=mod, **k: _g(_m, *a, **k)), mod
+                else:
+                    guarded, original = g, sp.call
+                args, kwargs = _to_dev(*rule.sample.bad(dtype))
+                outs, grads = _grads(guarded, args, kwargs)
+                ok_bad = all(bool(torch.isfinite(t).all()) for t in outs + grads)
+                args, kwargs = _to_dev(*rule.sample.good(dtype))
+                ref, rgrads = _grads(original, args, kwargs)
+                args, kwargs = _to_dev(*rule.sample.good(dtype))
+                out, ograds = _grads(guarded, args, kwargs)
+                ok_good = all(torch.equal(a, b) for a, b in zip(ref + rgrads, out + ograds, strict=True))
+                args, kwargs = _to_dev(*rule.sample.good(dtype))
+                _, up_ref = _grads(original, args, kwargs, upstream=float("inf"))
+                args, kwargs = _to_dev(*rule.sample.good(dtype))
+                _, up = _grads(guarded, args, kwargs, upstream=float("inf"))
+                ok_up = all(torch.equal(~torch.isfinite(a), ~torch.isfinite(b)) for a, b in zip(up_ref, up, strict=True))
+                res["checked"] += 1
+                if not (ok_bad and ok_good and ok_up):
+                    res["failures"].append(f"{rule.name} {dtype}: finite on bad {ok_bad}, bitwise on good "
+                                           f"{ok_good}, upstream inf passes {ok_up}")
+            except Exception as e:  # noqa: BLE001 - a kernel torch lacks on CUDA is reported, not fatal
+                res["failures"].append(f"{rule.name} {dtype}: raised {type(e).__name__}: {str(e)[:120]}")
+    return res
+
+
+def gpt2():
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).to(DEV)
+
+
+def _step(model, ids, autocast):
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(DEV, dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    return step
+
+
+def _time(fns: dict, repeats=10) -> dict:
+    for fn in fns.values():
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def _peak(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def step_times(compile_too: bool) -> dict:
+    model = gpt2()
+    safe = nanpass.harden(model)
+    ids = torch.randint(0, 50257, (8, 512), device=DEV)
+    out = {}
+    for autocast in (None, torch.bfloat16, torch.float16):
+        t = _time({"plain": _step(model, ids, autocast), "nanpass": _step(safe, ids, autocast)})
+        key = f"{str(autocast)[6:]} autocast" if autocast else "float32"
+        out[key] = {"plain_ms": t["plain"], "nanpass_ms": t["nanpass"], "ratio": t["nanpass"] / t["plain"],
+                    "peak_mib_plain": _peak(_step(model, ids, autocast)),
+                    "peak_mib_nanpass": _peak(_step(safe, ids, autocast))}
+    if compile_too:
+        torch._dynamo.reset()
+        ind = torch.compile(model)
+        npb = torch.compile(model, backend=nanpass.backend())
+        t = _time({"inductor": _step(ind, ids, None), "nanpass": _step(npb, ids, None)}, repeats=10)
+        out["compiled float32"] = {"inductor_ms": t["inductor"], "nanpass_ms": t["nanpass"],
+                                   "ratio": t["nanpass"] / t["inductor"]}
+    return out
+
+
+def grad_scaler() -> dict:
+    class Region(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 64)
+            self.head = torch.nn.Linear(64, 1)
+
+        def forward(self, x):
+            with torch.autocast(DEV, dtype=torch.float16):
+                h = self.fc(x)
+                h = torch.log(h.abs() + 1) * torch.sqrt(h * h + 1)
+                return self.head(h).float().sum()
+
+    def run(model):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler(DEV, init_scale=2.0**20, growth_interval=5)
+        g = torch.Generator(device=DEV).manual_seed(0)
+        scales = []
+        for _ in range(50):
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(32, 64, device=DEV, generator=g)
+            scaler.scale(model(x)).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales
+
+    torch.manual_seed(0)
+    plain = Region().to(DEV)
+    safe = nanpass.harden(copy.deepcopy(plain))
+    a, b = run(plain), run(safe)
+    return {"same_trajectory": a == b, "distinct_scales": sorted(set(a)), "nanpass_distinct": sorted(set(b))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    t0 = time.perf_counter()
+    res["contract"] = contract()
+    print(f"contract on CUDA: {res['contract']['checked']} rule x dtype cases, "
+          f"{len(res['contract']['failures'])} failures ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for f in res["contract"]["failures"]:
+        print("  ", f, flush=True)
+    res["grad_scaler"] = grad_scaler()
+    print("GradScaler float16 autocast:", res["grad_scaler"], flush=True)
+    res["gpt2"] = step_times(not args.no_compile)
+    for k, v in res["gpt2"].items():
+        print(f"GPT-2 12L 768 train step, {k}: {v}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
