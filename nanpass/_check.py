@@ -42,7 +42,7 @@ class Site:
 class Event:
     """One non-finite value, as check mode saw it."""
 
-    phase: str  # "input" | "forward" | "backward"
+    phase: str  # "input" | "state" (a parameter or buffer) | "forward" | "backward"
     kind: str  # "NaN" | "Inf" | "non-finite gradient"
     created: bool  # made here from finite operands (forward) or a finite gradient (backward)
     site: Site | None  # None for an input
@@ -205,6 +205,27 @@ def check_input(t, name: str, warn: bool):
 
 
 check_input.__module__ = "nanpass"
+
+
+def check_state(model: torch.nn.Module, warn: bool) -> None:
+    """A NaN/Inf already in a parameter or buffer is the state's, not the first op's that reads
+    it: one fused check (one sync) per call, and only on a hit a look for the name."""
+    named = [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers())
+             if t.is_floating_point() and t.numel()]
+    if not named:
+        return
+    flags = torch.stack([(~torch.isfinite(t)).any() for _, t in named])
+    if not bool(flags.any()):
+        return
+    i = int(flags.nonzero()[0, 0])
+    name, t = named[i]
+    kind = "parameter" if isinstance(t, torch.nn.Parameter) else "buffer"
+    what = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+    module = name.rpartition(".")[0]
+    owner = type(model.get_submodule(module)).__name__ if module else type(model).__name__
+    _report(Event("state", what, False, None,
+                  f"nanpass: {what} in the {kind} {name!r} ({owner}) before the model ran: an earlier "
+                  f"step or a checkpoint put it there ({describe(t)})", (describe(t),)), warn)
 
 
 def created_flag(out, *inputs):

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ._check import check_input
+from ._check import check_input, check_state
 from ._config import Config, dynamic_dims_of, make_config
 from ._errors import ConfigError, NanpassTypeError
 from ._intercept import Sites, run_guarded
@@ -56,6 +56,7 @@ class Hardened(torch.nn.Module):
         sites = self._nanpass_sites
         mode = self._nanpass_config.mode
         if mode in ("check", "warn"):
+            check_state(self._nanpass_model, mode == "warn")
             names = list(inspect.signature(self._nanpass_model.forward).parameters)
             for i, a in enumerate(args):
                 check_input(a, names[i] if i < len(names) else f"args[{i}]", mode == "warn")

@@ -54,6 +54,9 @@ def _suggest(event: Event | None) -> str:
     if event.phase == "input":
         return (f"the data already holds NaN{at}: clean or drop that sample before the model "
                 "sees it")
+    if event.phase == "state":
+        return ("a parameter or buffer is already non-finite: restore a finite checkpoint, and "
+                "skip non-finite optimizer steps (nanpass.StepGuard) so it cannot happen again")
     rule = BY_NAME[event.site.op]
     where = f"{event.site.spelling} at {event.site.source}" if event.site.source else event.site.spelling
     operand = f"; its operand turns zero, negative or non-finite{at}" if at else ""
@@ -62,16 +65,16 @@ def _suggest(event: Event | None) -> str:
 
 
 class _Progress:
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.done, self.shown = max(total, 1), enabled, 0, -1
+    """Checked ops so far, on stderr; the sites are found as the model runs, so there is no
+    total up front: the line is refreshed every ``every`` ops."""
+
+    def __init__(self, enabled: bool, every: int = 16):
+        self.enabled, self.every, self.done = enabled, every, 0
 
     def __call__(self, phase: str) -> None:
         self.done += 1
-        pct = min(100, 100 * self.done // self.total)
-        if self.enabled and pct // 10 != self.shown:
-            self.shown = pct // 10
-            print(f"\rnanpass.locate: {phase} {self.done}/{self.total} checked ops", end="",
-                  file=sys.stderr, flush=True)
+        if self.enabled and (self.done == 1 or self.done % self.every == 0):
+            print(f"\rnanpass.locate: {phase} {self.done} checked ops", end="", file=sys.stderr, flush=True)
 
 
 def locate(model: torch.nn.Module, *inputs, loss_fn=None, progress: bool | None = None,
@@ -87,8 +90,7 @@ def locate(model: torch.nn.Module, *inputs, loss_fn=None, progress: bool | None 
     from ._harden import harden
 
     checked = harden(model, mode="check")
-    total = sum(c.action == "checked" for c in checked.changes)
-    bar = _Progress(total, sys.stderr.isatty() if progress is None else progress)
+    bar = _Progress(sys.stderr.isatty() if progress is None else progress)
     events: list[Event] = []
     token, ptoken = COLLECT.set(events), PROGRESS.set(lambda: bar("forward"))
     try:
@@ -103,7 +105,8 @@ def locate(model: torch.nn.Module, *inputs, loss_fn=None, progress: bool | None 
         if bar.enabled:
             print(file=sys.stderr)
     backward = events[len(forward):]
-    first_fwd = next((e for e in forward if e.created or e.phase == "input"), forward[0] if forward else None)
+    first_fwd = next((e for e in forward if e.created or e.phase in ("input", "state")),
+                     forward[0] if forward else None)
     # a backward NaN that a forward NaN explains is not a second finding
     first_bwd = next((e for e in backward if e.created), None)
     chain = forward[forward.index(first_fwd):] if first_fwd is not None else []

@@ -259,3 +259,28 @@ def test_compiled_backward_check_names_the_op(inner):
     with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: non-finite gradient created by the backward of "
                                                      r"torch.sqrt in <root> at .*test_check.py:\d+"):
         out.backward()
+
+
+@pytest.mark.parametrize("where", ["parameter", "buffer"])
+def test_a_nan_already_in_the_state_is_named_as_such(where):
+    """A NaN in a weight (an earlier bad step, a bad checkpoint) is the state's, not the first
+    softmax's that reads it: check mode and locate name the parameter or buffer."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            return torch.softmax(self.fc(x) * self.scale, -1)
+
+    model = Net()
+    with torch.no_grad():
+        (model.fc.weight if where == "parameter" else model.scale)[1] = float("nan")
+    name = "fc.weight" if where == "parameter" else "scale"
+    with pytest.raises(nanpass.NonFiniteError, match=rf"^nanpass: NaN in the {where} '{name}'"):
+        nanpass.harden(model, mode="check")(torch.randn(2, 4))
+    finding = nanpass.locate(model, torch.randn(2, 4))
+    assert finding.forward.phase == "state" and name in finding.forward.message
+    assert finding.suggestion.startswith("a parameter or buffer is already non-finite")
