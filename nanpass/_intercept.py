@@ -38,14 +38,8 @@ _NANPASS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # the mode of the hardened call running in this thread/context (checkpoint's recompute reads it)
 ACTIVE: contextvars.ContextVar[GuardMode | None] = contextvars.ContextVar("nanpass_active", default=None)
 
-# frames where the walk for a call site stops: the hardened model's own entry points
+# frames where the walk for a call site stops: the hardened model's entry point (run_guarded)
 BOUNDARY: set = set()
-
-
-def boundary(fn: Callable) -> Callable:
-    """Mark ``fn`` as an entry point: frames above it are the caller's, not the model's."""
-    BOUNDARY.add(fn.__code__)
-    return fn
 
 
 def _float_operand(args, kwargs) -> bool:
@@ -78,7 +72,7 @@ class Sites:
         self.changes: list[Change] = []
         self.counters: list[Counter] = []
         self.calls = 0  # hardened calls made (the report of a model with no unsafe call is empty)
-        self._runs: dict = {}  # site key -> the callable that runs the call
+        self._runs: dict = {}  # site key -> (the callable that runs the call, its decision)
         self._seen: set = set()  # (site key, action, reason) already recorded
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -133,9 +127,10 @@ class Sites:
         return self._run_for(key, rule, sp, module, frame, args, kwargs)
 
     def _run_for(self, key, rule, sp, module, frame, args, kwargs):
-        run = self._runs.get(key)
-        if run is None:
-            run = self._make_run(key, rule, sp, module, frame, args)
+        entry = self._runs.get(key)
+        if entry is None:
+            entry = self._make_run(key, rule, sp, module, frame, args)
+        run, decision = entry
         why = None
         if run is not sp.call:
             if rule.safe_if is not None:
@@ -145,7 +140,7 @@ class Sites:
         if why is not None:
             self._note(key, rule, sp, module, frame, "left", "", why, args)
             return sp.call(*args, **kwargs)
-        self._note(key, rule, sp, module, frame, *self._decision(rule, module), args)
+        self._note(key, rule, sp, module, frame, *decision, args)
         return run(*args, **kwargs)
 
     def _decision(self, rule: Rule, module) -> tuple[str, str, str]:
@@ -184,8 +179,8 @@ class Sites:
                 with self._lock:
                     self.counters.append(counter)
         if key is not None:
-            self._runs[key] = run
-        return run
+            self._runs[key] = (run, action)
+        return run, action
 
     def _site(self, rule: Rule, sp: Spelling, module, frame) -> Site:
         source, code = _source(frame)
