@@ -72,9 +72,8 @@ class Upstream:
 FENCE: contextvars.ContextVar = contextvars.ContextVar("nanpass_fence", default=None)
 
 
-class _Probe(torch.autograd.Function):
-    """Identity on a guard's result; in backward it records whether the arriving gradient is
-    finite, before the op's own backward runs (autograd's order) and the fences read it."""
+class _Identity(torch.autograd.Function):
+    """Identity forward that keeps the guard call's Upstream for its backward."""
 
     @staticmethod
     def forward(x, state):
@@ -83,6 +82,11 @@ class _Probe(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.state = inputs[1]
+
+
+class _Probe(_Identity):
+    """On a guard's result: in backward it records whether the arriving gradient is finite,
+    before the op's own backward runs (autograd's order) and the fences read it."""
 
     @staticmethod
     def backward(ctx, grad):
@@ -92,15 +96,7 @@ class _Probe(torch.autograd.Function):
         return grad, None
 
 
-class _FiniteGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(x, state):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.state = inputs[1]
-
+class _FiniteGrad(_Identity):
     @staticmethod
     def backward(ctx, grad):
         # a fresh tensor: never write into grad (it may be an expanded view)
@@ -140,16 +136,24 @@ def finite_grad(x):
     return x
 
 
+def _each(out, f):
+    """``f`` on a result or on each item of a tuple result, keeping the tuple's type
+    (torch.return_types: eigh's ``.eigenvalues``, svd's ``.U``; namedtuples)."""
+    if not isinstance(out, tuple):
+        return f(out)
+    items = [f(o) for o in out]
+    if type(out) is tuple:
+        return tuple(items)
+    return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+
+
+def _probe(x, state: Upstream):
+    return _Probe.apply(x, state) if isinstance(x, Tensor) and x.requires_grad else x
+
+
 def probed(out, state: Upstream):
     """``out`` with a probe on each tensor that carries a gradient."""
-    if isinstance(out, Tensor):
-        return _Probe.apply(out, state) if out.requires_grad else out
-    if isinstance(out, tuple) and any(isinstance(o, Tensor) and o.requires_grad for o in out):
-        items = [_Probe.apply(o, state) if isinstance(o, Tensor) and o.requires_grad else o for o in out]
-        if type(out) is tuple:
-            return tuple(items)
-        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
-    return out
+    return _each(out, lambda o: _probe(o, state))
 
 
 def fenced(impl, fn, args, kwargs, consts):
@@ -175,14 +179,7 @@ def finite(x):
 
 
 def finite_all(out):
-    if isinstance(out, tuple):
-        items = [finite(o) for o in out]
-        if type(out) is tuple:
-            return tuple(items)
-        if hasattr(out, "_fields"):  # a namedtuple
-            return type(out)(*items)
-        return type(out)(items)  # torch.return_types (eigh's .eigenvalues, svd's .U, ...)
-    return finite(out)
+    return _each(out, finite)
 
 
 def operands(args: tuple, kwargs: dict, names: tuple[str, ...]):
