@@ -1303,3 +1303,31 @@ def test_low_precision_product_guard_follows_autocast():
         out = safe(x)
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     assert [(c.op, c.action) for c in safe.changes] == [("linear", "guarded")]
+
+
+def test_gradient_penalty_inside_forward():
+    """WGAN-GP: torch.autograd.grad(create_graph=True) inside forward, then a second backward
+    through it: the same numbers, and a sqrt at a zero gradient norm stays finite."""
+
+    class Critic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, 1)
+
+        def forward(self, x):
+            x = x.requires_grad_()
+            score = self.fc(torch.tanh(x)).sum()
+            (g,) = torch.autograd.grad(score, x, create_graph=True)
+            return score + ((torch.sqrt((g * g).sum(-1)) - 1) ** 2).mean()
+
+    model = seeded(Critic)
+    x = normal(B, D)
+    same(model, nanpass.harden(model), x)
+    with torch.no_grad():
+        model.fc.weight.zero_()  # a zero gradient norm: sqrt's derivative at 0 is inf
+    model.zero_grad(set_to_none=True)
+    model(x.clone()).backward()
+    assert not torch.isfinite(model.fc.weight.grad).all()
+    model.zero_grad(set_to_none=True)
+    nanpass.harden(model)(x.clone()).backward()
+    assert torch.isfinite(model.fc.weight.grad).all()
