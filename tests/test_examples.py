@@ -25,7 +25,7 @@ def test_example(name):
     after = next(line for line in lines if line.startswith("after"))
     assert "NOT finite" in before or "nan" in before or "inf" in before, before
     assert "NOT finite" not in after and " nan" not in after and " inf" not in after, after
-    assert "unsafe ops" in res.stdout or "steps taken" in res.stdout
+    assert "unsafe op" in res.stdout or "steps taken" in res.stdout
 
 
 def test_quickstart_and_report_demo_run():

@@ -120,20 +120,27 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
-def test_html_in_a_real_browser(tmp_path):
-    page = tmp_path / "report.html"
-    page.write_text(odd_html())
+def _dom(tmp_path, html: str, name: str) -> str:
+    page = tmp_path / f"{name}.html"
+    page.write_text(html)
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()]
-    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
-    assert "nanpass report: Odd" in dom
-    # the changed nodes are highlighted and link to their row in the list of rewrites
-    assert 'class="line changed guarded" id="g0-after-guard_softmax" href="#change-0-0"' in dom
-    assert 'id="change-0-0"' in dom
-    # the module named <script>alert(1)</script> is text, not an element
+           f"--user-data-dir={tmp_path / ('profile-' + name)}", "--dump-dom", page.as_uri()]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+
+
+def test_html_in_a_real_browser(tmp_path):
+    # a hardened model: its call sites, the module named <script>alert(1)</script> as text
+    dom = _dom(tmp_path, odd_html(), "hardened")
+    assert "nanpass report: Odd" in dom and 'id="change-0-0"' in dom
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in dom
     assert "<script" not in dom
+    # a compiled model: its graph code, the changed nodes highlighted and linked to their rows
+    be = nanpass.backend(inner="eager")
+    torch.compile(Odd(), backend=be)(torch.rand(2, 3))
+    dom = _dom(tmp_path, nanpass.report(be).to_html(), "compiled")
+    assert 'class="line changed guarded" id="g0-after-guard_softmax" href="#change-0-0"' in dom
+    assert 'id="change-0-0"' in dom and "<script" not in dom
 
 
 def test_stable_forms_are_marked_as_changing_rounding():
