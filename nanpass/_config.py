@@ -61,6 +61,7 @@ class Config:
     shape_checks: bool = False  # backend: shapes of the first compile are enforced on recompiles
     count: bool = False  # guard statistics: elements each guard changed
     quarantine: bool = False  # harden: rows with non-finite inputs are zeroed in, marked NaN out
+    watch: int | None = 100  # harden: every `watch` calls, count what guards change; None: off
     dynamic_dims: tuple[tuple[int, str], ...] = ((0, "batch"),)
 
     def excluded(self, module_path: str) -> bool:
@@ -123,6 +124,7 @@ def make_config(
     dynamic_dims: Mapping[int, str] | None = None,
     count: bool = False,
     quarantine: bool = False,
+    watch: int | None = 100,
     module_paths: Iterable[str] | None = None,
 ) -> Config:
     if not isinstance(mode, str) or mode not in MODES:
@@ -131,6 +133,9 @@ def make_config(
         raise ConfigError(f"nanpass: unknown inner compiler {inner!r}; valid: {_choices(INNERS)}")
     stable, shape_checks = _flag("stable", stable), _flag("shape_checks", shape_checks)
     count, quarantine = _flag("count", count), _flag("quarantine", quarantine)
+    if watch is not None and (isinstance(watch, bool) or not isinstance(watch, int) or watch < 1):
+        raise ConfigError(f"nanpass: watch is how many calls apart guards are sampled, a positive "
+                          f"int (default 100), or None to turn the watch off; got {watch!r}")
 
     chosen = set(GUARDED) if ops is None else set(_names("ops", ops, GUARDED))
     chosen -= _names("exclude_ops", exclude_ops, GUARDED)
@@ -192,6 +197,7 @@ def make_config(
         shape_checks=shape_checks,
         count=count or mode == "guard+check",
         quarantine=quarantine,
+        watch=watch,
         dynamic_dims=tuple(sorted(dynamic_dims_of(dynamic_dims).items())),
         inner=inner,
     )

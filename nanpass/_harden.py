@@ -35,7 +35,9 @@ class Hardened(torch.nn.Module):
             d[registry] = getattr(model, registry)
         d["_nanpass_model"] = model
         d["_nanpass_config"] = config
-        d["_nanpass_sites"] = Sites(model, config)
+        # the watch samples plain guard mode; count=True and the check modes say more already
+        watch = config.watch if config.mode == "guard" and not config.count else None
+        d["_nanpass_sites"] = Sites(model, config, watch)
         d["_nanpass_shapes"] = shapes  # (examples, dynamic dims) when shape_checks=True
         d["_nanpass_inputs"] = None
         if shapes is not None:
@@ -188,6 +190,7 @@ def harden(
     dynamic_dims: Mapping[int, str] | None = None,
     count: bool = False,
     quarantine: bool = False,
+    watch: int | None = 100,
 ) -> Hardened:
     """Return ``model`` with every numerically unsafe op guarded, forward and backward.
 
@@ -219,6 +222,11 @@ def harden(
 
     ``count=True`` keeps, per guard, how many elements it changed (on the device, no sync per
     op): ``nanpass.stats(model)``.
+
+    ``watch`` (default 100): every ``watch``-th call counts what each guard changes, with one sync
+    after it; a guard that changed values in three sampled calls in a row is named once in a
+    ``nanpass.GuardWarning`` (finite numbers can hide a model stuck on a guard, e.g. a learned
+    temperature at 0). ``watch=None`` turns it off.
     """
     if isinstance(model, Hardened):
         model = model.original
@@ -242,7 +250,7 @@ def harden(
         )
     config = make_config(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
-        stable=stable, count=count, quarantine=quarantine, shape_checks=shape_checks,
+        stable=stable, count=count, quarantine=quarantine, shape_checks=shape_checks, watch=watch,
         module_paths=[name for name, _ in model.named_modules()],
     )
     shapes = None

@@ -19,6 +19,7 @@ import linecache
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -27,9 +28,10 @@ from torch.overrides import TorchFunctionMode
 from . import _compat  # noqa: F401  (checkpoint recomputes under the guards)
 from ._check import Site, checked
 from ._config import Config
+from ._guards import COUNTER
 from ._rewrite import Change, counted, make_guard
 from ._rules import CALLS, Rule, Spelling
-from ._stats import Counter
+from ._stats import Counter, GuardWarning
 
 Tensor = torch.Tensor
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -66,14 +68,21 @@ def _any_dtype(args, dtypes) -> bool:
 class Sites:
     """The call sites of one hardened model: what each does, and the Change it recorded."""
 
-    def __init__(self, model: torch.nn.Module, config: Config):
+    def __init__(self, model: torch.nn.Module, config: Config, watch: int | None = None):
         self.model = model
         self.config = config
         self.changes: list[Change] = []
         self.counters: list[Counter] = []
         self.calls = 0  # hardened calls made (the report of a model with no unsafe call is empty)
+        # the watch: every `watch` calls one call counts what each guard changes (on the device)
+        self.watch = watch
+        self.sampling = False
+        self._sampled: dict = {}  # site key -> Counter, this sampled call
+        self._streak: dict = {}  # site key -> sampled calls in a row in which the guard fired
+        self._warned: set = set()
         self._runs: dict = {}  # site key -> (the callable that runs the call, its decision)
         self._seen: set = set()  # (site key, action, reason) already recorded
+        self._changes_by_key: dict = {}
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
 
@@ -140,8 +149,43 @@ class Sites:
         if why is not None:
             self._note(key, rule, sp, module, frame, "left", "", why, args)
             return sp.call(*args, **kwargs)
-        self._note(key, rule, sp, module, frame, *decision, args)
+        change = self._note(key, rule, sp, module, frame, *decision, args)
+        if self.sampling and key is not None and decision[0] == "guarded":
+            counter = self._sampled.get(key)
+            if counter is None:
+                counter = self._sampled[key] = Counter(change or self._change_of(key))
+            token = COUNTER.set(counter)
+            counter.begin()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                COUNTER.reset(token)
         return run(*args, **kwargs)
+
+    def _change_of(self, key) -> Change | None:
+        return self._changes_by_key.get(key)
+
+    def end_sample(self) -> None:
+        """After a sampled call: one sync for every guard that ran; a guard that changed values
+        in three sampled calls in a row is named once (a model stuck on a guard, e.g. a learned
+        temperature at 0, trains on constants while every number stays finite)."""
+        ran = [(k, c) for k, c in self._sampled.items() if c.last is not None]
+        self._sampled = {}
+        if not ran:
+            return
+        counts = torch.stack([c.last.to(ran[0][1].last.device) for _, c in ran]).tolist()
+        fired = {k for (k, _), n in zip(ran, counts, strict=True) if n}
+        self._streak = {k: self._streak.get(k, 0) + 1 for k in fired}
+        for (k, c), n in zip(ran, counts, strict=True):
+            if self._streak.get(k, 0) >= 3 and k not in self._warned and c.change is not None:
+                self._warned.add(k)
+                ch = c.change
+                warnings.warn(
+                    f"nanpass: the {ch.op} guard ({ch.spelling} in {ch.module or '<root>'}"
+                    f"{' at ' + ch.source if ch.source else ''}) changed {int(n)} elements in each "
+                    f"of {self._streak[k]} sampled calls in a row: the model may be stuck on it "
+                    f"(see nanpass.harden(model, count=True) and nanpass.stats); silence with "
+                    f"harden(..., watch=None)", GuardWarning, stacklevel=4)
 
     def _decision(self, rule: Rule, module) -> tuple[str, str, str]:
         """(action, guard, reason) of a site, as the report shows it."""
@@ -208,6 +252,8 @@ class Sites:
                 dtype=str(dtype).replace("torch.", "") if dtype is not None else None, constants=consts,
             )
             self.changes.append(change)
+            if action == "guarded":
+                self._changes_by_key[key] = change
             return change
 
 
@@ -250,11 +296,16 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
     sites.calls += 1
     mode = GuardMode(sites)
     token = ACTIVE.set(mode)
+    sample = bool(sites.watch) and sites.calls % sites.watch == 0 and not torch.compiler.is_compiling()
+    sites.sampling = sample
     try:
         with mode:
             return fn(*args, **kwargs)
     finally:
         ACTIVE.reset(token)
+        if sample:
+            sites.sampling = False
+            sites.end_sample()
 
 
 BOUNDARY.add(run_guarded.__code__)

@@ -284,3 +284,37 @@ def test_a_nan_already_in_the_state_is_named_as_such(where):
     finding = nanpass.locate(model, torch.randn(2, 4))
     assert finding.forward.phase == "state" and name in finding.forward.message
     assert finding.suggestion.startswith("a parameter or buffer is already non-finite")
+
+
+class Tempered(nn.Module):
+    """A learned temperature that has reached 0: the division guard keeps every number finite,
+    the output is a constant uniform distribution, and learning has silently stopped."""
+
+    def __init__(self, temp: float):
+        super().__init__()
+        self.temp = nn.Parameter(torch.tensor(temp))
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x) / self.temp, -1)
+
+
+def _calls(model, n):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(n):
+            model(torch.randn(2, 4)).sum().backward()
+    return [str(w.message) for w in seen if issubclass(w.category, nanpass.GuardWarning)]
+
+
+def test_a_guard_that_keeps_firing_is_named_once():
+    said = _calls(nanpass.harden(Tempered(0.0), watch=5), 40)
+    assert len(said) == 1  # rate-limited: once per site
+    assert said[0].startswith("nanpass: the div guard (Tensor.div in <root> at ")
+    assert "test_check.py" in said[0] and "watch=None" in said[0]
+    assert _calls(nanpass.harden(Tempered(0.0), watch=None), 40) == []  # silenced
+    assert _calls(nanpass.harden(Tempered(1.0), watch=5), 40) == []  # a healthy model: nothing
+    with pytest.raises(nanpass.ConfigError, match="^nanpass: watch is how many calls apart"):
+        nanpass.harden(Tempered(1.0), watch=0)
