@@ -28,7 +28,6 @@ from torch.overrides import TorchFunctionMode
 from . import _compat  # noqa: F401  (checkpoint recomputes under the guards)
 from ._check import Site, checked
 from ._config import Config
-from ._guards import COUNTER
 from ._rewrite import Change, counted, make_guard
 from ._rules import CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
@@ -154,12 +153,7 @@ class Sites:
             counter = self._sampled.get(key)
             if counter is None:
                 counter = self._sampled[key] = Counter(change or self._change_of(key))
-            token = COUNTER.set(counter)
-            counter.begin()
-            try:
-                return run(*args, **kwargs)
-            finally:
-                COUNTER.reset(token)
+            return counted(run, counter)(*args, **kwargs)  # a sampled call only: 1 in `watch`
         return run(*args, **kwargs)
 
     def _change_of(self, key) -> Change | None:
