@@ -1,5 +1,6 @@
-"""Shape checks whose messages name the layer: a static check on fake tensors, and asserts
-inserted into the hardened graph from recorded example shapes.
+"""Shape checks whose messages name the layer: a static check on fake tensors; the inputs'
+shapes recorded from examples and checked on every hardened call; and, under the backend,
+asserts in dynamo's graphs with every recompile compared to the first compile's shapes.
 
 torch says ``mat1 and mat2 shapes cannot be multiplied (1x20 and 30x10)`` from deep inside
 ``F.linear``; nanpass says ``shape mismatch entering fc2 (Linear, model.py:14): expected
@@ -291,56 +292,6 @@ def _merge(shapes: list[tuple]) -> tuple | None:
     return tuple(s[0] if all(x == s[0] for x in s) else None for s in zip(*shapes, strict=True))
 
 
-def grown(example: tuple, dynamic: dict[int, str]) -> tuple:
-    """The same call with every declared dynamic dim one larger: what follows it is free."""
-    return tuple(
-        torch.zeros([d + 1 if i in dynamic else d for i, d in enumerate(a.shape)], dtype=a.dtype)
-        if isinstance(a, Tensor) else a for a in example)
-
-
-def record_shapes(gm, examples: list[tuple], dynamic: dict[int, str]) -> dict[str, tuple]:
-    """Shape of every tensor value in ``gm`` over the examples, run on fake tensors; a dim that
-    differs between examples (or is declared dynamic on an input) is free (None)."""
-    import torch.fx as fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n):
-            out = super().run_node(n)
-            if isinstance(out, Tensor):
-                self.shapes[n.name] = tuple(int(s) for s in out.shape)
-            return out
-
-    runs: list[dict[str, tuple]] = []
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    for example in examples:
-        variants = [example]
-        if dynamic:
-            variants.append(grown(example, dynamic))
-        for args in variants:
-            rec = Recorder(gm)
-            rec.shapes = {}
-            try:
-                with mode:
-                    fake = [mode.from_tensor(a) if isinstance(a, Tensor) else a for a in args]
-                    rec.run(*fake)
-            except Exception:
-                if args is example:
-                    raise
-                continue  # the model does not accept the perturbed size: inputs only
-            runs.append(rec.shapes)
-    merged = {}
-    for name in runs[0]:
-        shapes = [r[name] for r in runs if name in r]
-        m = _merge(shapes)
-        if m is not None:
-            merged[name] = m
-    for n in gm.graph.nodes:  # declared dims of the inputs are free even if the model resists
-        if n.op == "placeholder" and n.name in merged:
-            merged[n.name] = tuple(None if i in dynamic else d for i, d in enumerate(merged[n.name]))
-    return merged
-
-
 def insert_asserts(gm, expected: dict[str, tuple]) -> list[ShapeAssert]:
     """One assert per graph input, before anything uses it, naming the first layer it enters.
     Every other shape in the graph follows from the inputs' (the graph bakes in the rest), so
@@ -379,15 +330,6 @@ def graph_key(gm) -> tuple:
     """Which frame a dynamo graph came from, stable across recompiles: its tensor inputs."""
     return tuple(sorted(n.name for n in gm.graph.nodes
                         if n.op == "placeholder" and isinstance(n.meta.get("example_value"), Tensor)))
-
-
-def merge_shapes(old: dict[str, tuple], new: dict[str, tuple]) -> dict[str, tuple]:
-    out = {}
-    for name, a in old.items():
-        b = new.get(name)
-        if b is not None and len(a) == len(b):
-            out[name] = tuple(x if x == y else None for x, y in zip(a, b, strict=True))
-    return out
 
 
 def _free_symbols(gm, dynamic: dict[int, str]) -> set:
