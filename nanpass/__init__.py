@@ -12,6 +12,8 @@ from ._errors import NanpassTypeError as NanpassTypeError
 from ._errors import RewriteError as RewriteError
 from ._harden import Hardened as Hardened
 from ._harden import harden as harden
+from ._integrations import GatedScheduler as GatedScheduler
+from ._integrations import GuardedOptimizer as GuardedOptimizer
 from ._locate import Finding as Finding
 from ._locate import locate as locate
 from ._report import Report as Report
