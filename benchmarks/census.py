@@ -76,6 +76,11 @@ _SPECIAL = ("special function not used in models; the non-finite value is its po
 _POLY = ("orthogonal polynomial whose degree is a float tensor, not used in models; non-finite "
          "only for a degree or argument of big (177)")
 
+_LOWRANK = ("randomised low-rank SVD, written in Python: for plain tensors it dispatches no torch "
+            "function, so no TorchFunctionMode sees the call; the qr and svd inside are guarded "
+            "(finite values and gradients); a double backward through its products at a zero "
+            "matrix is not")
+
 ACCEPTED: dict[str, str] = {
     "prod": _PRODUCT,
     "cumprod": _PRODUCT,
@@ -97,6 +102,9 @@ ACCEPTED: dict[str, str] = {
     "special.modified_bessel_i0": _SPECIAL, "special.modified_bessel_i1": _SPECIAL,
     "special.modified_bessel_k0": _SPECIAL, "special.modified_bessel_k1": _SPECIAL,
     "special.scaled_modified_bessel_k0": _SPECIAL, "special.scaled_modified_bessel_k1": _SPECIAL,
+    "pca_lowrank": _LOWRANK, "svd_lowrank": _LOWRANK,
+    "_batch_norm_with_update": ("an aten operator (torch.ops.aten), below the Python calls nanpass "
+                                "sees: F.batch_norm, the call that reaches it, is guarded"),
 }
 for _name in ("chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
               "chebyshev_polynomial_w", "shifted_chebyshev_polynomial_t",

@@ -5,6 +5,7 @@ nothing unless a hardened call is running.
   recomputation would run unguarded (and differ from the forward where a guard fired). Both
   implementations look their worker up at call time, so wrapping it here makes the region's
   function re-enter the hardened call's guards on recompute.
+- ``graph_task_id``: which backward pass is running (``torch._C._current_graph_task_id``).
 - ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` take their fused inference
   fast path only when ``torch.overrides.has_torch_function(args)`` is False, which any active
   TorchFunctionMode makes True: hardened, they would run the slow path and round differently.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.utils.checkpoint as _cp
 
 
@@ -76,6 +78,16 @@ def _patch_fast_path_check() -> None:
     has_torch_function.__doc__ = original.__doc__
     ov.has_torch_function = has_torch_function
     ov._nanpass_patched = True
+
+
+def graph_task_id() -> int | None:
+    """The id of the backward pass now running (None outside one): a guard's probe tells its
+    first backward pass from a later (double backward) one. Checkpoint uses the same call."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    if fn is None:
+        return None
+    task = fn()
+    return None if task == -1 else task
 
 
 _patch_checkpoint()

@@ -92,6 +92,14 @@ def guards_markdown() -> str:
         if r.sample is not None and not r.sample.dynamo:
             out.append("- **Under `torch.compile`:** dynamo graph-breaks on this op, so it runs outside "
                        "any graph, eagerly and unguarded; `nanpass.harden` guards it.")
+        elif r.sample is not None and r.sample.breaks:
+            names = ", ".join(f"`{n}`" for n in r.sample.breaks)
+            out.append(f"- **Under `torch.compile`:** dynamo graph-breaks on {names}, so it runs outside "
+                       "any graph, eagerly and unguarded; `nanpass.harden` guards it.")
+        if r.sample is not None and r.sample.inlined:
+            names = ", ".join(f"`{n}`" for n in r.sample.inlined)
+            out.append(f"- **Under `torch.compile`:** dynamo traces into {names}; the ops inside meet "
+                       "their own rules.")
         spellings = ", ".join(f"`{sp.name}`" for sp in r.spellings())
         out.append(f"- **Spellings:** {spellings}.\n")
         table = _constants(r)

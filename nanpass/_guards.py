@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from ._compat import graph_task_id
 from ._constants import PowDomain, bounds, pow_domain
 
 Tensor = torch.Tensor
@@ -61,11 +62,15 @@ class Upstream:
     """What one guard call's backward learns from the gradient arriving at its result: whether
     it was finite everywhere (a 0-d bool tensor on the device; no sync)."""
 
-    __slots__ = ("ok", "used")
+    __slots__ = ("ok", "used", "task")
 
     def __init__(self):
         self.ok = None
         self.used = False  # a fence asked: only then is the result probed
+        # the backward pass that set ``ok``: in a double backward the cotangent that reaches
+        # the result comes from the guard's own first-order graph (0 * inf inside svd's
+        # backward), not from upstream, and must not turn the fence off
+        self.task = None
 
 
 # the Upstream of the guard that is running: its fences read it in backward
@@ -90,9 +95,13 @@ class _Probe(_Identity):
 
     @staticmethod
     def backward(ctx, grad):
-        ok = torch.isfinite(grad).all()
         st = ctx.state
+        task = None if torch.compiler.is_compiling() else graph_task_id()
+        if st.task is not None and task != st.task:
+            return grad, None  # a later pass (a double backward): the first pass's verdict holds
+        ok = torch.isfinite(grad).all()
         st.ok = ok if st.ok is None else st.ok & ok
+        st.task = task
         return grad, None
 
 
@@ -328,6 +337,29 @@ def finite_call(fn, args, kwargs, consts):
     return finite_all(fn(*fenced, **kw))
 
 
+def batch_norm(fn, args, kwargs, consts):
+    """In float16 the gradient at zero variance overflows (as every normalisation's there):
+    ``finite_call``. In every dtype, eval mode reads the running variance: a negative one (a
+    corrupted buffer) is sqrt(< 0) = NaN for every sample; it is read as 0, a copy, so the
+    buffer is untouched. Training in float32/bfloat16/float64 runs as written."""
+    if fn is not _F_BATCH_NORM:  # torch.batch_norm, native_batch_norm: internals, any dtype
+        return finite_call(fn, args, kwargs, consts)
+    bound = _signature(fn).bind(*args, **kwargs)
+    x = bound.arguments["input"]
+    if x.dtype == torch.float16:
+        return finite_call(fn, args, kwargs, consts)
+    var = bound.arguments.get("running_var")
+    if bound.arguments.get("training", False) or not isinstance(var, Tensor):
+        return fn(*args, **kwargs)
+    neg = var < 0
+    _count(neg)
+    bound.arguments["running_var"] = torch.where(neg, 0.0, var)
+    return fn(*bound.args, **bound.kwargs)
+
+
+_F_BATCH_NORM = torch.nn.functional.batch_norm
+
+
 def finite_low_precision(fn, args, kwargs, consts):
     """Products in float16 (max 65504) overflow on ordinary activations: saturate the result,
     so the next op sees +-max, not inf (identity on finite values; straight-through gradient).
@@ -342,9 +374,10 @@ def ctc(fn, args, kwargs, consts):
     """ctc_loss: an input shorter than its target has no alignment: the loss is inf and its
     gradient NaN. As torch's own ``zero_infinity=True``: that loss and its gradient become 0;
     every finite loss is unchanged. ``F.ctc_loss`` and ``torch.ctc_loss`` both take it 7th."""
-    args = (finite(args[0]), *args[1:]) if args else args
+    # log-probabilities past 0 (raw scores) make exp() in its gradient overflow: fenced
+    args = (finite_grad(finite(args[0])), *args[1:]) if args else args
     if "log_probs" in kwargs:
-        kwargs = {**kwargs, "log_probs": finite(kwargs["log_probs"])}
+        kwargs = {**kwargs, "log_probs": finite_grad(finite(kwargs["log_probs"]))}
     if len(args) >= 7:
         args = (*args[:6], True, *args[7:])
     else:

@@ -82,6 +82,24 @@ class Sample:
     # False where dynamo graph-breaks on the op: under torch.compile it runs outside any graph,
     # eagerly and unguarded (nanpass.harden guards it)
     dynamo: bool = True
+    # spellings written in Python whose body dynamo traces through: under torch.compile the
+    # ops inside meet their own rules (nanpass.harden guards the call as one)
+    inlined: tuple[str, ...] = ()
+    breaks: tuple[str, ...] = ()  # spellings dynamo graph-breaks on, where the rule's others it captures
+    # bad operands of the spellings that take other arguments (a rule that names a family:
+    # torch.linalg.solve(A, B) next to torch.linalg.inv(A)); keyed by spelling name, in-place
+    # and torch.Tensor.* forms folded into "Tensor.<method>"
+    spellings: dict[str, Operands] = field(default_factory=dict)
+
+    def captured(self, spelling: str) -> bool:
+        """Whether dynamo puts this spelling into a graph (False: a graph break, run eagerly)."""
+        return self.dynamo and spelling not in self.breaks
+
+    def bad_for(self, spelling: str) -> Operands:
+        key = spelling.replace("torch.Tensor.", "Tensor.")
+        if key.startswith("Tensor.") and key.endswith("_") and key.rstrip("_") in self.spellings:
+            key = key.rstrip("_")
+        return self.spellings.get(key, self.bad)
 
 
 def _derived_functions(name: str) -> tuple[str, ...]:
@@ -163,6 +181,13 @@ def _divisor_safe(args, kwargs):
     d = args[1] if len(args) > 1 else kwargs.get("other")
     if _number(d) and abs(d) >= 1 and kwargs.get("rounding_mode") is None:
         return f"constant divisor {d!r}: |divisor| >= 1 cannot make the quotient non-finite"
+    return None
+
+
+def _nonzero_divisor(args, kwargs):
+    d = args[1] if len(args) > 1 else kwargs.get("other")
+    if _number(d) and d != 0:
+        return f"nonzero constant divisor {d!r}: no division by 0"
     return None
 
 

@@ -16,6 +16,7 @@ from ._rule import (
     Spelling,
     _divisor_safe,
     _exponent_safe,
+    _nonzero_divisor,
     _resolve,
     operands,
     tensor,
@@ -28,6 +29,15 @@ INF = float("inf")
 _ROWS = tensor(-INF, -INF, -INF, 1.0, 2.0, -INF, shape=(2, 3))  # a fully masked row
 _GOOD_ROWS = tensor(-1.0, 0.5, 2.0, 1.0, -INF, 3.0, shape=(2, 3))  # a partly masked row is fine
 _FINITE_ROWS = tensor(-1.0, 0.5, 2.0, 1.0, -3.0, 3.0, shape=(2, 3))
+# matrices for the linear-algebra rules
+_TINY_PIVOT = tensor("tiny", 0.0, 0.0, 1.0, shape=(2, 2))  # invertible, the inverse near max
+_SMALL_PIVOT = tensor(1e-30, 0.0, 0.0, 1.0, shape=(2, 2))  # LAPACK's solvers call a tiny pivot singular
+_NEAR_SINGULAR = tensor(1.0, 0.0, 0.0, "tiny", shape=(2, 2))
+_NEAR_SINGULAR_5 = tensor(*[1.0, 0.0, 0.0, 0.0, 0.0, 0.0] * 4, "tiny", shape=(5, 5))
+_HALVES_5 = tensor(*[0.5] * 25, shape=(5, 5))
+_ZEROS = tensor(0.0, 0.0, 0.0, 0.0, shape=(2, 2))
+_COLUMN = tensor(1.0, 1.0, shape=(2, 1))
+_PIVOTS = tensor(1, 2, dtype=torch.int32)
 _LOGITS = tensor(0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 0.25, 1.0, -2.0, 3.0, 0.0, 0.5, shape=(3, 4))
 
 
@@ -322,21 +332,19 @@ RULES: tuple[Rule, ...] = (
         reason="a constant row has zero variance: with an eps the dtype rounds to 0 (1e-12 in "
         "float16), 0/0 in value and gradient",
         action="a non-finite result saturates (NaN to 0); non-finite gradients become 0",
-        functions=("F.layer_norm", "torch.layer_norm"),
+        functions=("F.layer_norm", "torch.layer_norm", "torch.native_layer_norm"),
         sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2)), (2,), None, None, 1e-12),
                       operands(tensor(1.0, 3.0, shape=(1, 2)), (2,)), dtypes=(torch.float16,)),
         only_dtypes=(torch.float16,),  # an eps such as 1e-12 is 0 only in float16
     ),
     Rule(
         "norm", g.finite_call,
-        reason="overflows past max; in low precision a small vector's norm underflows to 0 and "
-        "its gradient is 0/0",
+        reason="at 0 its second derivative is NaN (a gradient penalty on a zero vector), and with "
+        "ord > 2 a tiny vector's gradient is 0/0; in float16 a product of ordinary values overflows",
         action="the result saturated; non-finite gradients become 0",
         functions=("torch.linalg.vector_norm", "torch.norm", "torch.linalg.norm", "torch.linalg.matrix_norm"),
         methods=("norm",), inplace=False,
-        sample=Sample(operands(tensor("max", "max", shape=(1, 2))), operands(tensor(3.0, 4.0, shape=(1, 2))),
-                      dtypes=(torch.float16, torch.bfloat16)),
-        only_dtypes=(torch.float16,),  # float32/bfloat16 (max 3.4e38) past max: the overflow policy's
+        sample=Sample(operands(tensor("max", "max", shape=(1, 2))), operands(tensor(3.0, 4.0, shape=(1, 2)))),
     ),
     Rule(
         "normalize", g.finite_call,
@@ -405,13 +413,20 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "lgamma", g.finite_call,
-        reason="lgamma and digamma have poles at 0, -1, -2, ...: inf values, inf/NaN gradients",
+        reason="lgamma, digamma and polygamma have poles at 0, -1, -2, ... (mvlgamma at (p - 1) / 2 "
+        "and below): inf values, inf/NaN gradients",
         action="the result saturated; non-finite gradients become 0",
         functions=("torch.lgamma", "torch.special.gammaln", "torch.digamma", "torch.special.digamma",
-                   "torch.special.psi"),
-        methods=("lgamma", "digamma"),
+                   "torch.special.psi", "torch.polygamma", "torch.special.polygamma", "torch.mvlgamma",
+                   "torch.special.multigammaln"),
+        methods=("lgamma", "digamma", "polygamma", "mvlgamma"),
         sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.5, 3.0)),
-                      dtypes=(torch.float32, torch.float64)),
+                      dtypes=(torch.float32, torch.float64),
+                      spellings={"torch.polygamma": operands(1, tensor(0.0, -1.0, 2.0)),
+                                 "torch.special.polygamma": operands(1, tensor(0.0, -1.0, 2.0)),
+                                 "Tensor.polygamma": operands(tensor(0.0, -1.0, 2.0), 1),
+                                 **dict.fromkeys(("torch.mvlgamma", "torch.special.multigammaln", "Tensor.mvlgamma"),
+                                                 operands(tensor(0.0, 2.0), 1))}),
     ),
     Rule(
         "poisson_nll_loss", g.finite_call,
@@ -435,6 +450,284 @@ RULES: tuple[Rule, ...] = (
         functions=("F.gumbel_softmax",),
         sample=Sample(operands(tensor(1.0, 2.0, 0.5, shape=(1, 3)), tau=0.0),
                       operands(tensor(1.0, 2.0, 0.5, shape=(1, 3)), tau=0.5)),
+    ),
+    Rule(
+        "remainder", g.finite_call,
+        reason="remainder/fmod by 0 is NaN, floor_divide by 0 +-inf; the gradient in the divisor "
+        "(-floor(x / y)) overflows for a tiny divisor",
+        action="NaN (a zero divisor) becomes 0, +-inf +-max; non-finite gradients become 0",
+        functions=("torch.remainder", "torch.fmod", "torch.floor_divide"),
+        operators=("operator.mod", "operator.floordiv"),
+        inplace_operators=(("operator.imod", "operator.mod"), ("operator.ifloordiv", "operator.floordiv")),
+        methods=("remainder", "fmod", "floor_divide"), inplace=True,
+        safe_if=_nonzero_divisor,
+        sample=Sample(operands(tensor(1.0, 0.0, 2.0), tensor(0.0, 0.0, 1.0)),
+                      operands(tensor(5.0, -3.0, 2.5), tensor(2.0, 2.0, -1.5)),
+                      # floor_divide has no derivative: its operands never carry a gradient
+                      spellings=dict.fromkeys(
+                          ("torch.floor_divide", "Tensor.floor_divide", "operator.floordiv", "operator.ifloordiv"),
+                          operands(tensor(1.0, 0.0, 2.0, grad=False), tensor(0.0, 0.0, 1.0, grad=False)))),
+    ),
+    Rule(
+        "hypot", g.finite_call,
+        reason="the gradient x / hypot(x, y) is 0/0 at (0, 0)",
+        action="the result saturated; non-finite gradients become 0",
+        sample=Sample(operands(tensor(0.0, 3.0), tensor(0.0, 4.0)), operands(tensor(3.0, 1.0), tensor(4.0, 2.0))),
+    ),
+    Rule(
+        "addcdiv", g.finite_call,
+        reason="x + v * t1 / t2 divides by t2: 0/0 is NaN, t1/0 inf",
+        action="a NaN result becomes 0, +-inf +-max; non-finite gradients become 0",
+        sample=Sample(operands(tensor(1.0, 1.0), tensor(0.0, 1.0), tensor(0.0, 0.0)),
+                      operands(tensor(1.0, 2.0), tensor(3.0, -4.0), tensor(2.0, 4.0))),
+    ),
+    Rule(
+        "copysign", g.finite_call,
+        reason="the second derivative at a zero magnitude is NaN",
+        action="non-finite gradients become 0",
+        sample=Sample(operands(tensor(0.0, 1.0), tensor(0.0, -2.0)), operands(tensor(1.5, -2.0), tensor(-1.0, 3.0))),
+    ),
+    Rule(
+        "sinc", g.finite_call,
+        reason="sin(pi x) / (pi x): the second derivative at 0 is NaN",
+        action="non-finite gradients become 0 (the values are exact)",
+        sample=Sample(operands(tensor(0.0, 0.5)), operands(tensor(0.25, 1.5, -2.5))),
+    ),
+    Rule(
+        "igamma", g.finite_call,
+        reason="the regularised incomplete gamma functions are 0/0 at a = 0, x = 0",
+        action="a NaN result becomes 0; non-finite gradients become 0",
+        functions=("torch.igamma", "torch.igammac", "torch.special.gammainc", "torch.special.gammaincc"),
+        methods=("igamma", "igammac"),
+        sample=Sample(operands(tensor(0.0, 1.0, grad=False), tensor(0.0, 2.0)),
+                      operands(tensor(0.5, 1.0, grad=False), tensor(1.0, 2.0))),
+    ),
+    Rule(
+        "ndtri", g.finite_call,
+        reason="the inverse normal CDF is -inf at 0 and +inf at 1, NaN outside [0, 1]",
+        action="the result saturated at +-max (NaN to 0); non-finite gradients become 0",
+        functions=("torch.special.ndtri",),
+        sample=Sample(operands(tensor(0.0, 1.0, 0.5)), operands(tensor(0.25, 0.5, 0.75)),
+                      dtypes=(torch.float32, torch.float64)),
+    ),
+    Rule(
+        "entr", g.finite_call,
+        reason="-x log x is -inf for x < 0 by definition; its gradient at 0 is infinite",
+        action="the result saturated at -max; non-finite gradients become 0",
+        functions=("torch.special.entr",),
+        sample=Sample(operands(tensor(-0.5, 0.0, 0.5)), operands(tensor(0.25, 0.5, 2.0))),
+    ),
+    Rule(
+        "xlog1py", g.finite_call,
+        reason="x * log1p(y) is -inf at y = -1, NaN below",
+        action="the result saturated; non-finite gradients become 0",
+        functions=("torch.special.xlog1py",),
+        sample=Sample(operands(tensor(1.0, 2.0), tensor(-1.0, -2.0)), operands(tensor(1.0, 2.0), tensor(0.5, 3.0))),
+    ),
+    Rule(
+        "mish", g.finite_call,
+        reason="x tanh(softplus(x)): the second derivative is NaN once exp(x) overflows",
+        action="non-finite gradients become 0 (the values are exact)",
+        functions=("F.mish",),
+        sample=Sample(operands(tensor(1000.0, 1.0)), operands(tensor(-1.0, 0.5, 3.0))),
+    ),
+    Rule(
+        "soft_margin_loss", g.finite_call,
+        reason="log(1 + exp(-y x)) overflows once -y x passes log(max)",
+        action="the result saturated; non-finite gradients become 0",
+        functions=("F.soft_margin_loss",),
+        sample=Sample(operands(tensor(-1000.0, 1.0), tensor(1.0, 1.0, grad=False)),
+                      operands(tensor(0.5, -1.0), tensor(1.0, -1.0, grad=False))),
+    ),
+    Rule(
+        "binary_cross_entropy", g.finite_call,
+        reason="at p = 0 or 1 the gradient in the target, log(1 - p) - log(p), is infinite, and in "
+        "float16 (its eps 1e-12 is 0 there) so is (p - y) / (p (1 - p))",
+        action="the result saturated; non-finite gradients become 0",
+        functions=("F.binary_cross_entropy",),
+        # a learned (soft) target's gradient log(1 - p) - log(p) is infinite at p = 0 or 1
+        sample=Sample(operands(tensor(0.0, 1.0), tensor(0.0, 1.0)),
+                      operands(tensor(0.25, 0.5), tensor(1.0, 0.0))),
+    ),
+    Rule(
+        "gaussian_nll_loss", g.finite_call,
+        reason="float16: 0.5 (log var + (x - mu)^2 / var) with its eps (1e-6) overflows, and its "
+        "gradients at a zero variance are inf/NaN",
+        action="the result saturated; non-finite gradients become 0",
+        functions=("F.gaussian_nll_loss",),
+        sample=Sample(operands(tensor(1.0, 1.0), tensor(0.0, 0.0), tensor(0.0, 1.0)),
+                      operands(tensor(0.5, 1.0), tensor(0.0, 1.5), tensor(1.0, 2.0)), dtypes=(torch.float16,),
+                      dynamo=False),  # torch.any(var < 0) in its body: a graph break
+        only_dtypes=(torch.float16,),
+    ),
+    Rule(
+        "cosine_embedding_loss", g.finite_call,
+        reason="float16: the cosine of a zero vector is 0/0 (its eps is 0 there)",
+        action="a NaN result becomes 0; non-finite gradients become 0",
+        functions=("F.cosine_embedding_loss",),
+        sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2)), tensor(0.0, 0.0, shape=(1, 2)),
+                               tensor(1.0, grad=False)),
+                      operands(tensor(1.0, 2.0, shape=(1, 2)), tensor(2.0, 1.0, shape=(1, 2)),
+                               tensor(1.0, grad=False)), dtypes=(torch.float16,)),
+        only_dtypes=(torch.float16,),
+    ),
+    Rule(
+        "pairwise_distance", g.finite_call,
+        reason="||x - y|| has a 0/0 gradient at x = y (its eps is 0 in float16) and a NaN second "
+        "derivative; it overflows past max",
+        action="the result saturated; non-finite gradients become 0",
+        functions=("F.pairwise_distance", "torch.pairwise_distance", "torch.dist"), methods=("dist",),
+        sample=Sample(operands(tensor(1.0, 2.0, shape=(1, 2)), tensor(1.0, 2.0, shape=(1, 2)), 2.0, 0.0),
+                      operands(tensor(1.0, 2.0, shape=(1, 2)), tensor(4.0, -2.0, shape=(1, 2))),
+                      spellings=dict.fromkeys(("torch.dist", "Tensor.dist"), operands(
+                          tensor(1.0, 2.0, shape=(1, 2)), tensor(1.0, 2.0, shape=(1, 2)), 2.0))),
+    ),
+    Rule(
+        "triplet_margin_loss", g.finite_call,
+        reason="distances of equal points have 0/0 gradients (pairwise_distance); overflow past max",
+        action="the result saturated; non-finite gradients become 0",
+        functions=("F.triplet_margin_loss", "F.triplet_margin_with_distance_loss"),
+        sample=Sample(operands(tensor("max", "max", shape=(1, 2)), tensor("-max", "-max", shape=(1, 2)),
+                               tensor(0.0, 0.0, shape=(1, 2))),
+                      operands(tensor(1.0, 2.0, shape=(1, 2)), tensor(1.5, 2.0, shape=(1, 2)),
+                               tensor(-1.0, 0.0, shape=(1, 2))),
+                      inlined=("F.triplet_margin_with_distance_loss",)),
+    ),
+    Rule(
+        "renorm", g.finite_call,
+        reason="x * maxnorm / ||x||: the second derivative of a zero slice's norm is NaN",
+        action="non-finite gradients become 0",
+        sample=Sample(operands(tensor(0.0, 0.0, 0.0, 0.0, shape=(2, 2)), 2, 0, 0.5),
+                      operands(tensor(1.0, 2.0, 3.0, 4.0, shape=(2, 2)), 2, 0, 0.5)),
+    ),
+    Rule(
+        "cov", g.finite_call,
+        reason="corrcoef divides by the standard deviations (0 for a constant variable); cov "
+        "divides by its degrees of freedom, which weights can make 0",
+        action="a NaN result becomes 0; non-finite gradients become 0",
+        functions=("torch.cov", "torch.corrcoef"), methods=("cov", "corrcoef"),
+        sample=Sample(operands(tensor(1.0, 1.0, 2.0, 3.0, shape=(2, 2)), correction=2),
+                      operands(tensor(1.0, 2.0, 2.0, 5.0, shape=(2, 2))),
+                      # a constant variable (the first row) has no spread
+                      spellings=dict.fromkeys(("torch.corrcoef", "Tensor.corrcoef"),
+                                              operands(tensor(1.0, 1.0, 2.0, 3.0, shape=(2, 2)))),
+                      dynamo=False),  # aten.equal on the data: a graph break
+    ),
+    Rule(
+        "batch_norm", g.batch_norm,
+        reason="eval mode: a negative running variance (a corrupted buffer) is sqrt(< 0) = NaN; "
+        "float16: the gradient at zero variance overflows",
+        action="a negative running variance read as 0 (a copy); float16: the result saturated, "
+        "non-finite gradients become 0",
+        functions=("F.batch_norm", "torch.batch_norm", "torch.native_batch_norm",
+                   "torch._native_batch_norm_legit", "torch._batch_norm_with_update"),
+        sample=Sample(operands(tensor(1.0, 2.0, 3.0, 4.0, shape=(2, 2)), tensor(0.0, 0.0, grad=False),
+                               tensor(-1.0, 1.0, grad=False)),
+                      operands(tensor(1.0, 2.0, 3.0, 4.0, shape=(2, 2)), tensor(0.5, 0.0, grad=False),
+                               tensor(2.0, 1.0, grad=False)),
+                      # torch.batch_norm and the native forms: (input, weight, bias, mean, var, training, ...)
+                      spellings={
+                          "torch.batch_norm": operands(tensor(1.0, 2.0, 3.0, 4.0, shape=(2, 2)), None, None,
+                                                       tensor(0.0, 0.0, grad=False), tensor(-1.0, 1.0, grad=False),
+                                                       False, 0.1, 1e-5, False),
+                          **dict.fromkeys(("torch.native_batch_norm", "torch._native_batch_norm_legit"), operands(
+                              tensor(1.0, 2.0, 3.0, 4.0, shape=(2, 2)), None, None, tensor(0.0, 0.0, grad=False),
+                              tensor(-1.0, 1.0, grad=False), False, 0.1, 1e-5))}),
+    ),
+    Rule(
+        "group_norm", g.finite_call,
+        reason="float16: at zero variance the gradient overflows (1/sqrt(eps) cubed) to inf/NaN",
+        action="float16 only: the result saturated; non-finite gradients become 0",
+        functions=("F.group_norm", "torch.group_norm", "torch.native_group_norm"),
+        sample=Sample(operands(tensor(0.0, 0.0, 0.0, 0.0, shape=(1, 4)), 1),
+                      operands(tensor(1.0, 2.0, 0.0, -1.0, shape=(1, 4)), 1), dtypes=(torch.float16,),
+                      spellings={"torch.native_group_norm": operands(  # (x, weight, bias, N, C, HxW, groups, eps)
+                          tensor(0.0, 0.0, 0.0, 0.0, shape=(1, 4)), None, None, 1, 4, 1, 1, 1e-5)}),
+        only_dtypes=(torch.float16,),
+    ),
+    Rule(
+        "instance_norm", g.finite_call,
+        reason="float16: at zero variance the second derivative overflows to inf/NaN",
+        action="float16 only: the result saturated; non-finite gradients become 0",
+        functions=("F.instance_norm", "torch.instance_norm"),
+        sample=Sample(operands(tensor(0.0, 0.0, 0.0, 0.0, shape=(1, 1, 4))),
+                      operands(tensor(1.0, 2.0, 0.0, -1.0, shape=(1, 1, 4))), dtypes=(torch.float16,),
+                      spellings={"torch.instance_norm": operands(tensor(0.0, 0.0, 0.0, 0.0, shape=(1, 1, 4)), None, None,
+                                                                 None, None, True, 0.1, 1e-5, False)}),
+        only_dtypes=(torch.float16,),
+    ),
+    Rule(
+        "rms_norm", g.finite_call,
+        reason="float16: near zero the gradient of x / rms(x) overflows to inf",
+        action="float16 only: the result saturated; non-finite gradients become 0",
+        functions=("F.rms_norm", "torch.rms_norm"),
+        sample=Sample(operands(tensor("tiny", shape=(1, 1)), (1,), tensor(1.0, shape=(1,))),
+                      operands(tensor(1.0, 2.0, shape=(1, 2)), (2,)), dtypes=(torch.float16,)),
+        only_dtypes=(torch.float16,),
+    ),
+    Rule(
+        "inv", g.finite_call,
+        reason="a singular (or near-singular) matrix: its inverse, solution, determinant "
+        "gradient or condition number is inf/NaN",
+        action="the result saturated; non-finite gradients become 0",
+        functions=("torch.linalg.inv", "torch.linalg.inv_ex", "torch.inverse", "torch.linalg.pinv",
+                   "torch.pinverse", "torch.linalg.solve", "torch.linalg.solve_ex", "torch.linalg.det",
+                   "torch.det", "torch.linalg.matrix_power", "torch.linalg.cond", "torch.cholesky_solve",
+                   "torch.cholesky_inverse", "torch.linalg.lu_solve", "torch.lu_solve",
+                   "torch.linalg.solve_triangular", "torch.triangular_solve", "torch.linalg.ldl_solve",
+                   "torch.linalg.lstsq", "torch.linalg.matrix_exp", "torch.matrix_exp"),
+        methods=("inverse", "pinverse", "det", "matrix_power", "cholesky_solve", "cholesky_inverse",
+                 "lu_solve", "triangular_solve", "matrix_exp"), inplace=False,
+        sample=Sample(operands(_TINY_PIVOT), operands(tensor(2.0, 1.0, 1.0, 3.0, shape=(2, 2))),
+                      dtypes=(torch.float32, torch.float64),
+                      spellings={
+                          "torch.linalg.pinv": operands(_TINY_PIVOT, rtol=0.0),
+                          **dict.fromkeys(("torch.pinverse", "Tensor.pinverse"), operands(_TINY_PIVOT, rcond=0.0)),
+                          **dict.fromkeys(("torch.linalg.solve", "torch.linalg.solve_ex"), operands(_SMALL_PIVOT, _COLUMN)),
+                          "torch.linalg.lstsq": operands(tensor(*["tiny"] * 4, shape=(2, 2)), tensor("tiny", "tiny", shape=(2, 1))),
+                          **dict.fromkeys(("torch.linalg.det", "torch.det", "Tensor.det", "torch.linalg.cond"),
+                                          operands(_ZEROS)),  # singular: 0/0 in the gradients
+                          **dict.fromkeys(("torch.linalg.matrix_power", "Tensor.matrix_power"),
+                                          operands(_TINY_PIVOT, -2)),
+                          **dict.fromkeys(("torch.cholesky_solve", "Tensor.cholesky_solve"),
+                                          operands(_COLUMN, _TINY_PIVOT)),
+                          **dict.fromkeys(("torch.lu_solve", "Tensor.lu_solve"),
+                                          operands(_COLUMN, _TINY_PIVOT, _PIVOTS)),
+                          "torch.linalg.lu_solve": operands(_TINY_PIVOT, _PIVOTS, _COLUMN),
+                          "torch.linalg.solve_triangular": operands(_TINY_PIVOT, _COLUMN, upper=True),
+                          **dict.fromkeys(("torch.triangular_solve", "Tensor.triangular_solve"),
+                                          operands(_COLUMN, _TINY_PIVOT)),
+                          "torch.linalg.ldl_solve": operands(tensor(0.0, 0.0, 0.0, 0.0, shape=(2, 2), grad=False),
+                                                             _PIVOTS, tensor(1.0, 1.0, shape=(2, 1), grad=False)),
+                          **dict.fromkeys(("torch.linalg.matrix_exp", "torch.matrix_exp", "Tensor.matrix_exp"),
+                                          operands(tensor(1000.0, 0.0, 0.0, 1000.0, shape=(2, 2)))),
+                      },
+                      breaks=("torch.linalg.lstsq",)),  # its output shape depends on the data
+    ),
+    Rule(
+        "qr", g.finite_call,
+        reason="the backward of a matrix decomposition divides by pivots, diagonals or the gaps "
+        "between eigen-/singular values: singular or repeated ones give inf/NaN",
+        action="non-finite gradients become 0; a non-finite result saturates",
+        functions=("torch.linalg.qr", "torch.qr", "torch.linalg.lu", "torch.lu", "torch.linalg.lu_factor",
+                   "torch.linalg.lu_factor_ex", "torch.linalg.eig", "torch.linalg.eigvals",
+                   "torch.linalg.eigvalsh", "torch.linalg.svdvals", "torch.cholesky", "torch.linalg.cholesky",
+                   "torch.linalg.cholesky_ex", "torch.linalg.householder_product", "torch.orgqr",
+                   "torch.ormqr", "torch._lu_with_info"),  # Tensor.lu, in Python, calls the last
+        methods=("qr", "lu", "cholesky", "orgqr", "ormqr"), inplace=False,
+        sample=Sample(operands(_ZEROS), operands(tensor(2.0, 1.0, 1.0, 3.0, shape=(2, 2))),
+                      dtypes=(torch.float32, torch.float64),
+                      spellings={
+                          **dict.fromkeys(("torch.cholesky", "torch.linalg.cholesky", "Tensor.cholesky"),
+                                          operands(_NEAR_SINGULAR)),
+                          **dict.fromkeys(("torch.linalg.lu_factor", "torch.linalg.lu_factor_ex"),
+                                          operands(_NEAR_SINGULAR_5)),
+                          "torch.linalg.cholesky_ex": operands(tensor("tiny", "tiny", "tiny", "tiny", shape=(2, 2))),
+                          **dict.fromkeys(("torch.linalg.householder_product", "torch.orgqr", "Tensor.orgqr"),
+                                          operands(_HALVES_5, tensor(*[0.5] * 5))),
+                          **dict.fromkeys(("torch.ormqr", "Tensor.ormqr"),
+                                          operands(_HALVES_5, tensor(*[0.5] * 5), _HALVES_5)),
+                      }),
     ),
     Rule(
         "matmul", g.finite_low_precision,

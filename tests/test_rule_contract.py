@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from nanpass._config import make_config
+from nanpass._guards import finite_call as g_finite_call
 from nanpass._rewrite import make_guard
 from nanpass._rules import RULES
 from tests.helpers import bits
@@ -98,9 +101,12 @@ def _finite(ts) -> bool:
 @pytest.mark.parametrize("rule,dtype,compiled", CASES)
 def test_bad_operands_give_finite_values_and_derivatives(rule, dtype, compiled):
     guarded, original = _callables(rule, dtype, compiled)
+    # an op whose values and gradients are finite may still break in its second derivative
+    # (sinc, copysign, mish): the sample then breaks that
     args, kwargs = rule.sample.bad(dtype)
-    outs, _, grads = _grads(original, args, kwargs)
-    assert not _finite(outs + grads), f"the sample for {rule.name} does not break the original op"
+    outs, leaves, grads = _grads(original, args, kwargs, create_graph=rule.sample.second_order)
+    assert not _finite(outs + grads + _seconds(grads, leaves)), (
+        f"the sample for {rule.name} does not break the original op")
 
     args, kwargs = rule.sample.bad(dtype)
     # torch.compile's aot_autograd has no double backward: second derivatives are eager's
@@ -109,10 +115,17 @@ def test_bad_operands_give_finite_values_and_derivatives(rule, dtype, compiled):
     assert _finite(outs), f"{rule.name}: non-finite value {outs}"
     assert _finite(grads), f"{rule.name}: non-finite gradient {grads}"
     # second derivatives (a gradient penalty, forces as -dE/dx): finite too
-    seconds = [g for g in grads if g.requires_grad and second]
-    if seconds:
-        hess = torch.autograd.grad(sum(g.float().sum() for g in seconds), leaves, allow_unused=True)
-        assert _finite([h for h in hess if h is not None]), f"{rule.name}: non-finite second derivative {hess}"
+    hess = _seconds(grads, leaves) if second else []
+    assert _finite(hess), f"{rule.name}: non-finite second derivative {hess}"
+
+
+def _seconds(grads, leaves) -> list:
+    """The gradient of the sum of the first derivatives (those that carry a graph)."""
+    seconds = [g for g in grads if g.requires_grad]
+    if not seconds:
+        return []
+    hess = torch.autograd.grad(sum(g.float().sum() for g in seconds), leaves, allow_unused=True)
+    return [h for h in hess if h is not None]
 
 
 @pytest.mark.parametrize("rule,dtype,compiled", GOOD_CASES)
@@ -167,3 +180,66 @@ def test_a_sample_under_real_inductor(name):
     got, _, got_grads = _grads(guarded, *rule.sample.good(torch.float32))
     for a, b in zip(got + got_grads, ref + ref_grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+# -- random operands -----------------------------------------------------------------------
+
+def _extremal(dtype):
+    """Finite values of the census's ordinary and large tiers (docs/census.md): past those
+    (+-sqrt(max), +-max) ordinary arithmetic overflows on its own, out of op-guard scope."""
+    fi = torch.finfo(dtype)
+    big = float(int(2 * torch.log(torch.tensor(fi.max, dtype=torch.float64))))
+    vals = [0.0, -0.0, fi.tiny, -fi.tiny, fi.eps, -fi.eps, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0, big, -big]
+    return st.one_of(st.sampled_from(vals), st.floats(-big, big, width=32 if dtype != torch.float64 else 64))
+
+
+def _redrawn(data, args, kwargs, dtype):
+    """The good operands with every floating value redrawn (shapes, integer operands and
+    options kept), so that each op meets its own singular points and random values alike."""
+    values = _extremal(dtype)
+
+    def one(a):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            vals = data.draw(st.lists(values, min_size=a.numel(), max_size=a.numel()))
+            return torch.tensor(vals, dtype=torch.float64).to(dtype).reshape(a.shape).requires_grad_(a.requires_grad)
+        return a
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+RANDOM_CASES = [pytest.param(r, d, id=f"{r.name}-{str(d)[6:]}")
+                for r in RULES if r.guarded and r.name not in NO_SAMPLE
+                for d in r.sample.dtypes if d in (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("rule,dtype", RANDOM_CASES)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_operands_give_finite_values_and_derivatives(rule, dtype, data):
+    """Hypothesis over each op's operands (zeros, tinies, ones, exp's overflow point, random):
+    the guard's values, gradients and second derivatives are finite; and a guard that runs the
+    op as written (``finite_call``) returns the original's bits wherever those are finite."""
+    guarded, original = _callables(rule, dtype, compiled=False)
+    args, kwargs = _redrawn(data, *rule.sample.good(dtype), dtype)
+    fresh = lambda: _redrawn_copy(args, kwargs)  # noqa: E731
+    second = rule.sample.second_order
+    try:  # (create_graph picks torch's twice-differentiable backward formulas: alike for both)
+        ref, _, ref_grads = _grads(original, *fresh(), create_graph=second)
+    except (RuntimeError, ValueError):
+        return  # the op refuses these operands (a target outside [0, 1], a singular solve)
+    outs, leaves, grads = _grads(guarded, *fresh(), create_graph=second)
+    assert _finite(outs), f"{rule.name}: non-finite value {outs} for {args} {kwargs}"
+    assert _finite(grads), f"{rule.name}: non-finite gradient {grads} for {args} {kwargs}"
+    if rule.sample.second_order:
+        hess = _seconds(grads, leaves)
+        assert _finite(hess), f"{rule.name}: non-finite second derivative {hess} for {args} {kwargs}"
+    if rule.guard is g_finite_call and _finite(ref + ref_grads):
+        for got, want in zip(outs + grads, ref + ref_grads, strict=True):
+            assert torch.equal(bits(got.detach()), bits(want.detach())), f"{rule.name}: {got} != {want}"
+
+
+def _redrawn_copy(args, kwargs):
+    def one(a):
+        return a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
