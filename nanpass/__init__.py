@@ -2,6 +2,9 @@
 
 from ._backend import Backend as Backend
 from ._backend import backend as backend
+from ._certify import Certificate as Certificate
+from ._certify import Verdict as Verdict
+from ._certify import certify as certify
 from ._check import NonFiniteError as NonFiniteError
 from ._check import NonFiniteWarning as NonFiniteWarning
 from ._config import Config as Config
