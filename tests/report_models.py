@@ -40,3 +40,29 @@ class Branchy(nn.Module):
         if x.sum() > 0:
             return torch.log(x)
         return torch.sqrt(x)
+
+
+class Block(nn.Module):
+    """One layer of ``Stack``: a softmax and a division, the same source lines in every layer."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        h = self.softmax(self.proj(x))
+        return h / h.sum(-1, keepdim=True)
+
+
+class Stack(nn.Module):
+    """``layers`` repeated blocks and a log at the root: the grouped report has three rows."""
+
+    def __init__(self, layers: int = 32, d: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return torch.log(x)

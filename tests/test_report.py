@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nanpass
-from tests.report_models import Broken, Odd
+from tests.report_models import Broken, Odd, Stack
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -118,17 +118,17 @@ def test_html_escapes_user_strings():
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
-def _dom(tmp_path, html: str, name: str) -> str:
+def _dom(tmp_path, html: str, name: str, *flags: str) -> str:
     page = tmp_path / f"{name}.html"
     page.write_text(html)
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / ('profile-' + name)}", "--dump-dom", page.as_uri()]
+           f"--user-data-dir={tmp_path / ('profile-' + name)}", *flags, "--dump-dom", page.as_uri()]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
 def test_html_in_a_real_browser(tmp_path):
     # a hardened model: its call sites, the module named <script>alert(1)</script> as text
     dom = _dom(tmp_path, odd_html(), "hardened")
@@ -252,3 +252,209 @@ def test_markdown_renders_without_html_elements_from_user_strings():
         page = markdown_it.MarkdownIt("commonmark", {"html": True}).enable("table").render(md)
         assert "<script" not in page and "<img" not in page and "<root" not in page
         assert page.count("<tr>") == 1 + len(nanpass.report(safe).changes)  # the table survives
+
+
+# ---------------------------------------------------------------- a real, large model: grouping
+LAYERS = 32
+_ACTIONS = re.compile(r"^  (?:guarded|stable|left|checked) ", re.M)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A 32-layer Hugging Face Llama with a tiny hidden size, hardened and run once."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64,
+                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    safe = nanpass.harden(transformers.LlamaForCausalLM(cfg).eval())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ~200 tiny matmuls: threads only add overhead (seconds on a busy machine)
+    try:
+        with torch.no_grad():
+            safe(torch.randint(0, 128, (1, 8)))
+    finally:
+        torch.set_num_threads(threads)
+    return nanpass.report(safe)
+
+
+def _call_sites(changes) -> list[tuple]:
+    """The distinct call sites, counted here without nanpass's grouping: everything but the
+    layer indices in the module path."""
+    return list(dict.fromkeys(
+        (c.op, c.spelling, c.action, c.guard, c.source, c.module_type, re.sub(r"\.\d+(?=\.|$)", ".#", c.module))
+        for c in changes))
+
+
+def test_llama_report_has_a_row_per_call_site_not_per_layer(llama):
+    changes = llama.changes
+    sites = _call_sites(changes)
+    # every layer: a pow and an rsqrt in each of two RMSNorms, one attention; then the final norm
+    assert len(changes) == 5 * LAYERS + 2 and len(sites) == 7
+    text, flat = llama.to_text(color=False), llama.to_text(color=False, group=False)
+    assert len(_ACTIONS.findall(text)) == len(sites)
+    assert len(_ACTIONS.findall(flat)) == len(changes)  # group=False: a row per change, as before
+    assert f"{len(changes)} ops looked at, shown in {len(sites)} rows" in text.splitlines()[2]
+    rows = [line for line in text.splitlines() if _ACTIONS.match(line)]
+    assert rows[2].split() == ["left", "scaled_dot_product_attention", "F.scaled_dot_product_attention",
+                               "model.layers.{0..31}.self_attn", "(LlamaAttention,", "32", "modules)"]
+    assert rows[1].split()[:4] == ["guarded", "rsqrt", "torch.rsqrt", "model.layers.{0..31}.input_layernorm"]
+    assert rows[1].endswith("(LlamaRMSNorm, 32 modules)")
+    assert rows[6].split() == ["guarded", "rsqrt", "torch.rsqrt", "model.norm", "(LlamaRMSNorm)"]
+    assert "model.layers.0." not in text and "model.layers.31." not in text
+    md = llama.to_markdown()
+    assert len(re.findall(r"^\| (?:guarded|left) \|", md, re.M)) == len(sites)
+    assert "| model.layers.{0..31}.self_attn (LlamaAttention, 32 modules) |" in md
+    assert len(re.findall(r"^\| (?:guarded|left) \|", llama.to_markdown(group=False), re.M)) == len(changes)
+    page = llama.to_html()
+    assert page.count("<tr id=") == len(sites)
+    assert llama.to_html(group=False).count("<tr id=") == len(changes)
+    assert "<summary>32 modules</summary>" in page and page.count("<details>") == 5
+
+
+def test_llama_report_names_library_files_from_their_package(llama):
+    outputs = [llama.to_text(color=False), llama.to_markdown(), llama.to_html(), llama.to_json()]
+    prefix = os.path.dirname(os.path.dirname(pytest.importorskip("transformers").__file__))  # site-packages
+    for out in outputs:
+        assert "site-packages" not in out and prefix not in out and str(ROOT) not in out
+    sources = {c["source"] for c in json.loads(llama.to_json())["graphs"][0]["changes"]}
+    assert sources == {"transformers/models/llama/modeling_llama.py:65", "transformers/models/llama/modeling_llama.py:66",
+                       "transformers/integrations/sdpa_attention.py:182"}
+    assert "transformers/models/llama/modeling_llama.py:66: hidden_states = hidden_states * torch.rsqrt(" in outputs[0]
+
+
+def test_llama_json_keeps_every_change_and_adds_the_groups(llama):
+    graph = json.loads(llama.to_json())["graphs"][0]
+    modules = [c["module"] for c in graph["changes"]]
+    assert len(modules) == 5 * LAYERS + 2
+    expected = {f"model.layers.{i}.{m}" for i in range(LAYERS)
+                for m in ("input_layernorm", "self_attn", "post_attention_layernorm")} | {"model.norm"}
+    assert set(modules) == expected
+    groups = graph["groups"]
+    assert [(g["module"], g["op"], g["count"]) for g in groups] == [
+        ("model.layers.{0..31}.input_layernorm", "pow", 32), ("model.layers.{0..31}.input_layernorm", "rsqrt", 32),
+        ("model.layers.{0..31}.self_attn", "scaled_dot_product_attention", 32),
+        ("model.layers.{0..31}.post_attention_layernorm", "pow", 32),
+        ("model.layers.{0..31}.post_attention_layernorm", "rsqrt", 32),
+        ("model.norm", "pow", 1), ("model.norm", "rsqrt", 1)]
+    # every change is in exactly one group, and the group lists its module
+    indices = sorted(k for g in groups for k in g["changes"])
+    assert indices == list(range(len(modules)))
+    for g in groups:
+        assert g["modules"] == [modules[k] for k in g["changes"]]
+        assert all(graph["changes"][k]["op"] == g["op"] for k in g["changes"])
+    assert groups[2]["modules"] == [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
+
+
+def test_llama_html_keeps_each_module_and_anchor(llama):
+    page = llama.to_html()
+    for i in range(LAYERS):
+        for m in ("input_layernorm", "self_attn", "post_attention_layernorm"):
+            assert f"<code>model.layers.{i}.{m}</code>" in page
+    # every change keeps its anchor, once: the first of a group on its row, the rest in its list
+    for k in range(len(llama.changes)):
+        assert page.count(f'id="change-0-{k}"') == 1, k
+    assert '<tr id="change-0-2" class="left">' in page  # the attention row: the third change
+    assert '<li id="change-0-7"><code>model.layers.1.self_attn</code></li>' in page
+    # counts at the top: by action and by op
+    assert "<h3>by action</h3><table class=\"counts\"><tbody><tr><th>guarded</th><td>65</td></tr>" \
+           "<tr><th>left</th><td>97</td></tr>" in page
+    assert "<h3>unsafe ops, by op</h3><table class=\"counts\"><tbody><tr><th>rsqrt</th><td>65</td></tr>" in page
+    assert page.index('class="overview"') < page.index('<table class="changes">')
+    assert "http://" not in page and "https://" not in page and "<link" not in page and "<script" not in page
+
+
+def test_grouping_in_a_compiled_graph_links_code_lines_to_their_row():
+    be = nanpass.backend(inner="eager")
+    torch.compile(Stack(layers=6), backend=be)(torch.rand(2, 4))
+    report = nanpass.report(be)
+    assert len(report.changes) == 13
+    text = report.to_text(color=False)
+    assert "layers.{0..5}.softmax (Softmax, 6 modules)" in text and "layers.{0..5} (Block, 6 modules)" in text
+    assert len(_ACTIONS.findall(text)) == 3
+    page = report.to_html()
+    assert page.count("<tr id=") == 3
+    # the softmax of layer 3, in the graph code, links to the softmax row (the first change)
+    softmax = [c.node for c in report.changes if c.op == "softmax"]
+    assert f'id="g0-after-{softmax[3]}" href="#change-0-0"' in page
+    assert f"<code>layers.3.softmax</code> <small>{softmax[3]}</small>" in page  # the node, in the list
+    groups = json.loads(report.to_json())["graphs"][0]["groups"]
+    assert [g["count"] for g in groups] == [6, 6, 1]
+
+
+def _change(module: str, op: str = "div", source: str = "m.py:3") -> nanpass.Change:
+    return nanpass.Change("", "", op, "torch.div", module, "Block", source, "y = a / b", "guarded", "g", "r")
+
+
+def test_group_labels():
+    from nanpass._report import group_changes
+
+    def labels(mods, **kw):
+        return [(g.module, g.count_text) for g in group_changes([_change(m, **kw) for m in mods])]
+
+    assert labels([f"layers.{i}.attn" for i in (0, 1, 2, 3, 5, 7, 8, 9)]) == [
+        ("layers.{0..3,5,7..9}.attn", "8 modules")]
+    assert labels(["layers.0", "layers.1"]) == [("layers.{0,1}", "2 modules")]
+    # two indices that vary: every combination is written as two sets, anything else with *
+    assert labels([f"enc.{a}.blocks.{b}" for a in range(2) for b in range(3)]) == [
+        ("enc.{0,1}.blocks.{0..2}", "6 modules")]
+    star = group_changes([_change(m) for m in ("enc.0.blocks.0", "enc.1.blocks.1", "enc.1.blocks.2")])
+    assert [(g.module, g.exact) for g in star] == [("enc.*.blocks.*", False)]
+    assert "      modules: enc.0.blocks.0, enc.1.blocks.1, enc.1.blocks.2" in nanpass.Report(
+        "M", [_graph(star[0].changes)]).to_text(color=False)
+    # an index that does not vary stays as it is; a module that calls twice is counted as such
+    assert labels(["enc.0.blocks.1", "enc.0.blocks.2", "enc.0.blocks.1"]) == [
+        ("enc.0.blocks.{1,2}", "3 calls in 2 modules")]
+    # only the layer index may differ: another source line, op or name is another row
+    assert len(group_changes([_change("layers.0"), _change("layers.1", source="m.py:4")])) == 2
+    assert len(group_changes([_change("layers.0"), _change("layers.1", op="log")])) == 2
+    assert len(group_changes([_change("a.0.x"), _change("a.1.y")])) == 2
+    assert len(group_changes([_change("layers.0"), _change("layers.00")])) == 2  # "00" is a name
+    # without an index nothing is merged: the same call twice at the root is two rows, in order
+    assert [g.indices for g in group_changes([_change(""), _change("norm"), _change("")])] == [(0,), (1,), (2,)]
+
+
+def _graph(changes):
+    from nanpass._rewrite import GraphRecord
+
+    return GraphRecord("intercept", "", "", list(changes), 0.0)
+
+
+def test_source_paths_are_shortened(monkeypatch, tmp_path):
+    import sysconfig
+
+    from nanpass._report import _rel
+
+    assert _rel(None) is None
+    assert _rel("/opt/conda/envs/x/lib/python3.12/site-packages/transformers/models/llama/modeling_llama.py:123") \
+        == "transformers/models/llama/modeling_llama.py:123"
+    assert _rel("/usr/lib/python3/dist-packages/numpy/core/fromnumeric.py:7") == "numpy/core/fromnumeric.py:7"
+    assert _rel(r"C:\venv\Lib\site-packages\timm\models\vit.py:9") == r"timm\models\vit.py:9"
+    stdlib = sysconfig.get_paths()["stdlib"]
+    assert _rel(os.path.join(stdlib, "json", "decoder.py") + ":4") == os.path.join("json", "decoder.py") + ":4"
+    assert _rel(str(ROOT / "examples" / "report_demo.py") + ":20") == "examples/report_demo.py:20"
+    assert _rel("/elsewhere/model.py:3") == "/elsewhere/model.py:3"  # not under the cwd: as it is
+    assert _rel(str(ROOT / "model.py")) == "model.py"  # no line number
+    monkeypatch.chdir(tmp_path)
+    assert _rel(str(tmp_path / "pkg" / "m.py") + ":5") == "pkg/m.py:5"
+    # a virtual environment inside the project is still a library, not the project's code
+    assert _rel(str(tmp_path / ".venv/lib/python3.11/site-packages/transformers/x.py") + ":1") == "transformers/x.py:1"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
+def test_llama_html_fits_1280_px_in_a_real_browser(tmp_path, llama):
+    # a copy of the page with a probe: the report itself has no script
+    probe = ("<script>const d = document.documentElement; document.body.dataset.fit = [d.scrollWidth,"
+             " d.clientWidth, window.innerWidth,"
+             " document.querySelectorAll('table.changes > tbody > tr').length,"
+             " document.querySelectorAll('ol.members > li').length].join(' ')</script></body>")
+    for group, rows in ((True, 7), (False, len(llama.changes))):
+        page = llama.to_html(group=group)
+        assert "<script" not in page
+        dom = _dom(tmp_path, page.replace("</body>", probe), f"llama-{group}", "--window-size=1280,900")
+        m = re.search(r'data-fit="(\d+) (\d+) (\d+) (\d+) (\d+)"', dom)
+        assert m, dom[:500]
+        scroll, client, inner, shown, members = map(int, m.groups())
+        # no horizontal scroll: the page is no wider than the viewport less its vertical scrollbar
+        assert inner == 1280 and scroll <= client <= 1280, (group, scroll, client)
+        assert shown == rows and members == (5 * LAYERS if group else 0)
