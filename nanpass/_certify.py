@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _intervals as iv
 from ._errors import ConfigError, NanpassTypeError
-from ._intervals import F64, Box, top_like
+from ._intervals import F64, INF, Box, top_like
 from ._rules import BY_NAME
 
 Tensor = torch.Tensor
@@ -189,7 +189,7 @@ def parse_ranges(ranges, inputs: tuple) -> list:
                 raise ConfigError(f"nanpass: unknown range {spec!r}; valid: {choices}")
             if isinstance(x, Tensor) and x.is_floating_point():
                 mx = float(torch.finfo(x.dtype).max)
-                return (-mx, mx)
+                return (torch.tensor(-mx, dtype=F64), torch.tensor(mx, dtype=F64))
             return None
         if not (isinstance(spec, (tuple, list)) and len(spec) == 2 and all(_is_bound(b) for b in spec)):
             raise ConfigError(f"nanpass: bad range {spec!r}; valid: {choices}")
@@ -218,8 +218,15 @@ def parse_ranges(ranges, inputs: tuple) -> list:
 
 
 def input_box(x: Tensor, spec) -> Box:
-    lo, hi = spec
-    return Box(lo.expand(x.shape).clone(), hi.expand(x.shape).clone())
+    """The box of an input: its range rounded outward into the input's dtype (a float32 input
+    of -1e30 is -1.0000000150474662e+30)."""
+    lo, hi = (b.to(F64).expand(x.shape).clone() for b in spec)
+    if x.is_floating_point():
+        lo_d, hi_d = lo.to(x.dtype), hi.to(x.dtype)
+        lo_d = torch.where(lo_d.to(F64) > lo, torch.nextafter(lo_d, torch.tensor(-INF, dtype=x.dtype)), lo_d)
+        hi_d = torch.where(hi_d.to(F64) < hi, torch.nextafter(hi_d, torch.tensor(INF, dtype=x.dtype)), hi_d)
+        lo, hi = lo_d.to(F64), hi_d.to(F64)
+    return Box(lo, hi)
 
 
 def _describe_range(x, spec) -> str:
@@ -264,6 +271,26 @@ def _storage(t: Tensor):
         return None
 
 
+def _results(func, args, out) -> list[Tensor]:
+    """The tensors an op writes: its mutated operands, else its outputs."""
+    mutated = [a for a, s in zip(args, func._schema.arguments, strict=False)
+               if s.alias_info is not None and s.alias_info.is_write and isinstance(a, Tensor)]
+    return mutated[:1] if mutated else _tensors(out)
+
+
+class Recorder(TorchDispatchMode):
+    """The concrete values of every op, in the order the analysis records its boxes (tests)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.trace.append((func.overloadpacket.__name__, [t.detach().clone() for t in _results(func, args, out)]))
+        return out
+
+
 class Analysis(TorchDispatchMode):
     def __init__(self, root: torch.nn.Module, hardened: bool):
         super().__init__()
@@ -273,6 +300,7 @@ class Analysis(TorchDispatchMode):
         self.nodes = 0
         self.hardened = hardened
         self.paths = {id(m): name for name, m in root.named_modules()}
+        self.trace: list | None = None  # (op, boxes of its results) per op, for the tests
 
     # -- boxes ------------------------------------------------------------------------------
     def box(self, x) -> Box | None:
@@ -353,9 +381,16 @@ class Analysis(TorchDispatchMode):
             self.step(func, args, kwargs, out)
         except Exception as e:  # noqa: BLE001 - a transfer function failed: the full range
             name = func.overloadpacket.__name__
-            self.unmodelled[f"{name} (failed: {type(e).__name__})"] = self.unmodelled.get(name, 0) + 1
-            for t in _tensors(out):
+            key = f"{name} (failed: {type(e).__name__})"
+            self.unmodelled[key] = self.unmodelled.get(key, 0) + 1
+            outs = _results(func, args, out)
+            for t in outs:
                 self.set(t, top_like(t))
+            if any(t.is_floating_point() for t in outs):
+                self.record(ATEN_RULES.get(name, name), name, UNSAFE, "-", "[-inf, inf] and NaN",
+                            f"not modelled (the transfer function failed: {type(e).__name__}): the full range")
+        if self.trace is not None:
+            self.trace.append((func.overloadpacket.__name__, [self.box(t) for t in _results(func, args, out)]))
         return out
 
     def step(self, func, args, kwargs, out) -> None:
@@ -544,6 +579,25 @@ class Analysis(TorchDispatchMode):
 # the entry point
 
 
+def analyse(model, example_inputs, specs, hardened=False, trace=False) -> tuple[Analysis, list[Box]]:
+    """Run ``model`` once under the analysis: (the analysis, the boxes of its floating outputs)."""
+    analysis = Analysis(model, hardened)
+    if trace:
+        analysis.trace = []
+    inputs = []
+    for x in example_inputs:
+        if isinstance(x, Tensor):
+            x = x.detach().clone().requires_grad_(x.requires_grad)
+        inputs.append(x)
+    for x, spec in zip(inputs, specs, strict=True):
+        if spec is not None:
+            analysis.set(x, input_box(x, spec))
+    with analysis:
+        result = model(*inputs)
+    out_boxes = [analysis.box(t) for t in _float_tensors(result)]
+    return analysis, out_boxes
+
+
 def certify(model: torch.nn.Module, *example_inputs, ranges=None) -> Certificate:
     """Interval analysis of ``model``'s forward for every input within ``ranges``, with the
     model's current parameters. ``ranges``: one ``(lo, hi)`` pair for every floating input,
@@ -558,19 +612,7 @@ def certify(model: torch.nn.Module, *example_inputs, ranges=None) -> Certificate
     specs = parse_ranges(ranges, example_inputs)
     start = time.perf_counter()
     hardened = isinstance(model, Hardened)
-    analysis = Analysis(model, hardened)
-    inputs = []
-    for x in example_inputs:
-        if isinstance(x, Tensor):
-            x = x.detach().clone().requires_grad_(x.requires_grad)
-        inputs.append(x)
-    with analysis:
-        for x, spec in zip(inputs, specs, strict=True):
-            if spec is not None:
-                analysis.set(x, input_box(x, spec))
-        result = model(*inputs)
-        outs = _float_tensors(result)
-        out_boxes = [analysis.box(t) for t in outs]
+    analysis, out_boxes = analyse(model, example_inputs, specs, hardened)
     name = type(model._nanpass_model).__name__ if hardened else type(model).__name__
     return Certificate(
         model=("nanpass.harden(" + name + ")") if hardened else name,

@@ -167,12 +167,9 @@ def mul(a: Box, b: Box) -> Box:
 
 
 def reciprocal(b: Box) -> Box:
-    z = b.contains_zero()
+    z = b.contains_zero()  # either sign: a zero may be -0.0 (x * 0 for x < 0), and 1 / -0.0 = -inf
     lo = torch.where(z, -INF, 1.0 / b.hi)
     hi = torch.where(z, INF, 1.0 / b.lo)
-    # a divisor [0, h] or [l, 0] gives a one-sided range
-    lo = torch.where(z & (b.lo >= 0), 1.0 / b.hi, lo)
-    hi = torch.where(z & (b.hi <= 0), 1.0 / b.lo, hi)
     lo, hi = _clean(lo, hi)
     return Box(torch.minimum(lo, hi), torch.maximum(lo, hi), b.nan)
 
@@ -542,13 +539,12 @@ def structural(bx, func, args, kwargs, out, fill_args=None) -> list:
 
     def part(which):
         def f(t):
-            if t.dtype == torch.bool and which != "nan":
-                pass
             b = boxes.get(id(t))
             if b is None:
                 b = boxes[id(t)] = bx(t)
-            return getattr(b, which).to(F64) if t.is_floating_point() or t.dtype == torch.bool or which == "nan" \
-                else getattr(b, which).to(t.dtype) if which != "nan" else b.nan
+            if which == "nan" or t.is_floating_point() or t.dtype == torch.bool:
+                return getattr(b, which).to(F64).contiguous()
+            return getattr(b, which).to(t.dtype).contiguous()  # an index: its (point) values
         return f
 
     res = {}
@@ -623,7 +619,16 @@ TRANSFER["log2"] = _unary(torch.log2, lo_dom=0.0)
 TRANSFER["log10"] = _unary(torch.log10, lo_dom=0.0)
 TRANSFER["log1p"] = _unary(torch.log1p, lo_dom=-1.0)
 TRANSFER["sqrt"] = _unary(torch.sqrt, lo_dom=0.0)
-TRANSFER["rsqrt"] = _unary(torch.rsqrt, lo_dom=0.0, decreasing=True)
+_rsqrt = _unary(torch.rsqrt, lo_dom=0.0, decreasing=True)
+
+
+def _rsqrt_signed(bx, a, k, o):
+    r = _rsqrt(bx, a, k, o)
+    x = bx(a[0])
+    return Box(torch.where(x.contains_zero(), -INF, r.lo), r.hi, r.nan)  # rsqrt(-0.0) = -inf
+
+
+TRANSFER["rsqrt"] = _rsqrt_signed
 TRANSFER["acos"] = _unary(torch.acos, lo_dom=-1.0, hi_dom=1.0, decreasing=True)
 TRANSFER["asin"] = _unary(torch.asin, lo_dom=-1.0, hi_dom=1.0)
 TRANSFER["atanh"] = _unary(torch.atanh, lo_dom=-1.0, hi_dom=1.0)
@@ -814,6 +819,10 @@ def _prod(bx, a, k, o):
     dims = _dims(x.lo, dim)
     m = _red(torch.maximum(x.lo.abs(), x.hi.abs()), dims, keep, lambda t, dim, keepdim: _prod_dims(t, dim, keepdim))
     nan = _red(x.nan, dims, keep, torch.amax)
+    # a partial product may overflow to inf and meet a 0: inf * 0 = NaN
+    zero = _red(x.contains_zero().to(F64), dims, keep, torch.amax)
+    big = (m * 2 > float(torch.finfo(o.dtype).max)).to(F64) if o.is_floating_point() else torch.zeros_like(m)
+    nan = torch.maximum(nan, zero * big)
     return widen(Box(-m, m, nan), o.dtype, k=2 * max(_count(x.lo, dims), 1))
 
 
