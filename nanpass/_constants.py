@@ -46,7 +46,11 @@ class Bounds:
 
     dtype: torch.dtype
     tiny: float  # smallest normal: log, rsqrt, xlogy and logit stay finite above it
-    max: float  # largest finite: where +-inf inputs and overflowing outputs saturate
+    max: float  # largest finite
+    # what +-inf (an operand or an overflowing result) becomes: max / 16, not max, so that the
+    # next ordinary op (a residual add, a product with a factor up to 16, a sum of 16 such
+    # values) stays finite; exp-like guards keep their results within it too
+    sat: float
     eps: float
     below_one: float  # largest value < 1: atanh and logit stay finite below it
     above_minus_one: float  # smallest value > -1: log1p and atanh stay finite above it
@@ -55,9 +59,14 @@ class Bounds:
     mask_low: float  # a finite "minus infinity" for attention masks; two of them still add up finite
 
 
+HEADROOM = 16  # max / sat
+
+
 @functools.cache
 def bounds(dtype: torch.dtype) -> Bounds:
     fi = torch.finfo(dtype)
+
+    sat = float(fi.max) / HEADROOM  # a power of two: exact in every dtype
 
     def exp_bound(fn: Callable, start: float) -> float:
         hi = _walk(start, dtype, -math.inf, lambda t: _finite(fn(t)))
@@ -68,6 +77,7 @@ def bounds(dtype: torch.dtype) -> Bounds:
         dtype=dtype,
         tiny=float(fi.tiny),
         max=float(fi.max),
+        sat=sat,
         eps=float(fi.eps),
         below_one=float(_step(one, 0.0).item()),
         above_minus_one=float(_step(-one, 0.0).item()),

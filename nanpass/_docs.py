@@ -27,19 +27,29 @@ and compiled) and property-tested with hypothesis per op family (`tests/test_con
    the operands lie inside the guard's bounds, the value and the gradient are the same, bit for bit,
    in eager mode.
 
-**The model as a whole.** A guard saturates at +-max, and the next ordinary op could overflow
-from there. Ordinary arithmetic past max is out of op-guard scope in float32/float64 (a finite
-result past 3.4e38; the census calls this the overflow policy), but in float16 (max 65504) it is
-the commonest NaN source: products of ordinary activations (attention scores, a T5 feed-forward
-output), `x ** 3` past 40. So in float16 — also under autocast — the products (`matmul`,
-`linear`, `addmm`, `bmm`) saturate too, and a model whose inputs are finite stays finite
-through them. bfloat16 has float32's range (max 3.4e38): there, as in float32, products and
-integer powers run as written, at no cost. Not covered yet: sums and residual adds that overflow
-float16 (docs/census.md lists every op and its status).
+**The model as a whole.** A guard that replaces an overflow (or an infinite operand) does not
+return +-max but +-sat = +-max / 16 (4094 in float16, 2.1e37 in float32; a power of two, so exact), and so do
+the exp family past its overflow point and `pow` for a base moved in from where the power
+overflows. The ordinary op after a guard therefore cannot overflow from the guard's own value:
+`exp(100) * 2`, the sum of three overflowing norms, a saturated float16 linear output plus
+its residual all stay finite (`tests/test_model_finite.py`, every dtype, eager and compiled).
+Every finite result of an op is its own, bit for bit (a value that overflowed has no "right"
+finite value; headroom keeps the model finite after it).
+
+What stays the model's own arithmetic: finite values whose ordinary sum or product passes max.
+In float32/float64 that needs operands near 1e38 (the census's overflow policy); in float16
+(max 65504) it is the commonest NaN source, products of ordinary activations (attention scores,
+a T5 feed-forward output), `x ** 3` past 40. So in float16 — also under autocast — the products
+(`matmul`, `linear`, `addmm`, `bmm`) are guarded: an overflow there becomes +-sat, and the
+residual add after it stays finite. bfloat16 has float32's range (max 3.4e38): there, as in
+float32, products and integer powers run as written, at no cost. Not guarded: a float16 sum or
+add of *finite* values past 65504 (two activations of 40000); keep such reductions in float32
+(autocast does for `sum`, `mean`, `softmax`, `layer_norm`). docs/census.md lists every op and its
+status.
 
 How: a guard changes only the operands outside the op's safe domain. It clamps them into a
 closed domain on which the op and its derivative are finite (identity inside: clamp's gradient is
-exactly the incoming gradient there, and zero outside), maps +-inf to +-max with `nan_to_num`, and puts
+exactly the incoming gradient there, and zero outside), maps +-inf to +-sat with `nan_to_num`, and puts
 a *finite-gradient fence* between the clamp and the op: identity forward; in backward a gradient
 that is not finite (the derivative of sqrt at 0, of acos at 1) becomes 0 — unless the gradient
 that arrived at the guard's result was already non-finite (a loss-scale overflow, a NaN from

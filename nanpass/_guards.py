@@ -44,12 +44,13 @@ def _count(changed) -> None:
 
 
 def _saturate(t: Tensor) -> Tensor:
-    """+-inf to +-max, NaN to 0. Under torch.compile, written with clamp/where: inductor's CPU
-    code generator scalarises nan_to_num (isnan) and that costs more than the op it guards."""
-    m = bounds(t.dtype).max
+    """+-inf to +-sat (max / 16: headroom for the next op), NaN to 0; finite values as they
+    are. Under torch.compile, written with where: inductor's CPU code generator scalarises
+    nan_to_num (isnan) and that costs more than the op it guards."""
+    b = bounds(t.dtype)
     if torch.compiler.is_compiling():
-        return torch.where(t != t, 0.0, torch.clamp(t, -m, m))
-    return torch.nan_to_num(t, nan=0.0, posinf=m, neginf=-m)
+        return torch.where(t != t, 0.0, torch.where(t > b.max, b.sat, torch.where(t < -b.max, -b.sat, t)))
+    return torch.nan_to_num(t, nan=0.0, posinf=b.sat, neginf=-b.sat)
 
 
 def _zero_nonfinite(t: Tensor) -> Tensor:
@@ -226,6 +227,24 @@ def clamped(lo: str | None, hi: str | None, fence: bool = True) -> Callable:
     return impl
 
 
+def overflowing(hi: str, own: str) -> Callable:
+    """exp, exp2, expm1: the operand clamped at ``hi`` (the last value whose result is finite,
+    or the user's tighter bound), and a result that would have overflowed is +sat (max / 16),
+    not max: headroom for the next op (exp(100) * 2 stays finite). Every finite result of the
+    original below ``hi`` is its own."""
+
+    def impl(fn, args, kwargs, consts):
+        x, rest, kw = _unary(args, kwargs)
+        top = consts(x.dtype)[hi]
+        xs = torch.clamp(x, None, top)
+        _count(xs != x)
+        y = fn(xs, *rest, **kw)
+        b = bounds(y.dtype)
+        return torch.where(x > getattr(b, own), b.sat, y)
+
+    return impl
+
+
 @functools.lru_cache(maxsize=256)
 def _in_dtype(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(value, dtype=torch.float64).to(dtype))
@@ -283,10 +302,16 @@ def pow_(fn, args, kwargs, consts):
         if dom is None:
             return fn(x, p, *rest, **kw)
         xs = _away_from_zero(x, dom.away) if dom.away else torch.clamp(x, dom.lo, dom.hi)
-        _count(xs != x)
+        moved = xs != x
+        _count(moved)
         # the domain keeps p * x ** (p - 1) finite, except at 0 when 0 < p < 1: fence only there
         # (a fence is a backward kernel of its own: GPT-2's x ** 3 pays for none)
-        return fn(finite_grad(xs) if 0 < p < 1 else xs, p, *rest, **kw)
+        y = fn(finite_grad(xs) if 0 < p < 1 else xs, p, *rest, **kw)
+        if p < 0 or dom.hi is not None and dom.hi < bounds(x.dtype).max:
+            # a base moved in from where the power overflows: +-sat (max / 16), not +-max,
+            # headroom for the next op; a base moved up to 0 (x ** 0.5 of x < 0) gives 0
+            y = torch.where(moved, y.sign() * bounds(y.dtype).sat, y)
+        return y
     # a tensor exponent: any base, any exponent; saturate the value, fence the gradients
     return finite(fn(finite_grad(x), finite_grad(p), *rest, **kw))
 

@@ -58,7 +58,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "div", g.div,
         reason="divisor can be 0, or the quotient can overflow",
-        action="0 where the divisor is 0, +-max where the quotient overflows; non-finite gradients become 0",
+        action="0 where the divisor is 0, +-sat where the quotient overflows; non-finite gradients become 0",
         functions=("torch.div", "torch.divide", "torch.true_divide"),
         operators=("operator.truediv",),
         inplace_operators=(("operator.itruediv", "operator.truediv"),),
@@ -69,7 +69,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "reciprocal", g.reciprocal,
         reason="1/0 is inf",
-        action="0 where the operand is 0, +-max on overflow; non-finite gradients become 0",
+        action="0 where the operand is 0, +-sat on overflow; non-finite gradients become 0",
         functions=("torch.reciprocal",), methods=("reciprocal",), inplace=True,
         sample=Sample(operands(tensor(0.0, 2.0)), operands(tensor(0.5, -2.0, 3.0))),
     ),
@@ -130,25 +130,25 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(0.0, -1.0, 4.0), 0.5), operands(tensor(0.25, 1.0, 4.0), 0.5)),
     ),
     Rule(
-        "exp", g.clamped(None, "hi", fence=False),
+        "exp", g.overflowing("hi", "exp_hi"),
         reason="exp overflows to inf",
-        action="operand clamped to at most log(max)",
+        action="operand clamped to at most log(max); a result that would overflow is max / 16",
         functions=("torch.exp",), methods=("exp",), inplace=True,
         constants={"hi": lambda b: b.exp_hi},
         sample=Sample(operands(tensor(100000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
     ),
     Rule(
-        "exp2", g.clamped(None, "hi", fence=False),
+        "exp2", g.overflowing("hi", "exp2_hi"),
         reason="exp2 overflows to inf",
-        action="operand clamped to at most log2(max)",
+        action="operand clamped to at most log2(max); a result that would overflow is max / 16",
         functions=("torch.exp2", "torch.special.exp2"), methods=("exp2",), inplace=True,
         constants={"hi": lambda b: b.exp2_hi},
         sample=Sample(operands(tensor(200000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
     ),
     Rule(
-        "expm1", g.clamped(None, "hi", fence=False),
+        "expm1", g.overflowing("hi", "exp_hi"),
         reason="expm1 overflows to inf",
-        action="operand clamped to at most log(max)",
+        action="operand clamped to at most log(max); a result that would overflow is max / 16",
         functions=("torch.expm1", "torch.special.expm1"), methods=("expm1",), inplace=True,
         constants={"hi": lambda b: b.exp_hi},
         sample=Sample(operands(tensor(100000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
@@ -156,7 +156,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "softmax", g.finite_operand,
         reason="a row of all -inf gives NaN, so does +inf",
-        action="+-inf operands to +-max: a fully masked row becomes uniform",
+        action="+-inf operands to +-sat: a fully masked row becomes uniform",
         functions=("torch.softmax", "F.softmax", "torch.special.softmax"),
         methods=("softmax",), modules=("nn.Softmax", "nn.Softmax2d"),
         sample=Sample(operands(_ROWS, dim=-1), operands(_GOOD_ROWS, dim=-1),
@@ -165,7 +165,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "softmin", g.finite_operand,
         reason="a row of all +inf gives NaN",
-        action="+-inf operands to +-max: a fully masked row becomes uniform",
+        action="+-inf operands to +-sat: a fully masked row becomes uniform",
         functions=("F.softmin",), modules=("nn.Softmin",),
         sample=Sample(operands(tensor(INF, INF, 1.0, 2.0, shape=(2, 2)), dim=-1), operands(_FINITE_ROWS, dim=-1),
                ctor={"nn.Softmin": (-1,)}),
@@ -173,7 +173,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "log_softmax", g.finite_in_out,
         reason="a row of all -inf gives NaN; a -inf entry gives -inf",
-        action="+-inf operands to +-max and the result saturated at -max",
+        action="+-inf operands to +-sat and the result saturated at -sat",
         functions=("torch.log_softmax", "F.log_softmax", "torch.special.log_softmax"),
         methods=("log_softmax",), modules=("nn.LogSoftmax",),
         sample=Sample(operands(_ROWS, dim=-1), operands(_FINITE_ROWS, dim=-1), ctor={"nn.LogSoftmax": (-1,)}),
@@ -181,14 +181,14 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "logsigmoid", g.finite_operand, stable=True,
         reason="logsigmoid(-inf) is -inf",
-        action="+-inf operands to +-max",
+        action="+-inf operands to +-sat",
         functions=("F.logsigmoid",), modules=("nn.LogSigmoid",),
         sample=Sample(operands(tensor(-INF, 1.0)), operands(tensor(-3.0, 0.0, 2.0)), ctor={"nn.LogSigmoid": ()}),
     ),
     Rule(
         "logsumexp", g.finite_in_out,
         reason="all -inf gives -inf with a NaN gradient; large inputs overflow",
-        action="+-inf operands to +-max and the result saturated",
+        action="+-inf operands to +-sat and the result saturated",
         functions=("torch.logsumexp", "torch.special.logsumexp"), methods=("logsumexp",),
         sample=Sample(operands(_ROWS, dim=-1), operands(_GOOD_ROWS, dim=-1)),
     ),
@@ -249,7 +249,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cross_entropy", g.loss,
         reason="0/0 in the mean when every target is ignored; +-inf logits give NaN",
-        action="+-inf logits to +-max; a NaN loss becomes 0 with zero gradient",
+        action="+-inf logits to +-sat; a NaN loss becomes 0 with zero gradient",
         functions=("F.cross_entropy",), modules=("nn.CrossEntropyLoss",),
         sample=Sample(operands(_LOGITS, tensor(-100, -100, -100, dtype=torch.int64)),
                operands(_LOGITS, tensor(0, 3, 1, dtype=torch.int64)), ctor={"nn.CrossEntropyLoss": ()}),
@@ -257,7 +257,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "nll_loss", g.loss,
         reason="0/0 in the mean when every target is ignored",
-        action="+-inf inputs to +-max; a NaN loss becomes 0 with zero gradient",
+        action="+-inf inputs to +-sat; a NaN loss becomes 0 with zero gradient",
         functions=("F.nll_loss",), modules=("nn.NLLLoss",),
         sample=Sample(operands(_LOGITS, tensor(-100, -100, -100, dtype=torch.int64)),
                operands(_LOGITS, tensor(0, 3, 1, dtype=torch.int64)), ctor={"nn.NLLLoss": ()}),
@@ -265,7 +265,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "kl_div", g.loss,
         reason="-inf log-probabilities against a zero target give 0 * inf = NaN",
-        action="+-inf operands to +-max; the result saturated; non-finite gradients become 0",
+        action="+-inf operands to +-sat; the result saturated; non-finite gradients become 0",
         functions=("F.kl_div",), modules=("nn.KLDivLoss",),
         sample=Sample(operands(tensor(0.0, -INF, shape=(1, 2)), tensor(1.0, 0.0, grad=False, shape=(1, 2)), reduction="sum"),
                operands(tensor(-1.0, -0.5, shape=(1, 2)), tensor(0.5, 0.5, grad=False, shape=(1, 2)), reduction="sum"),
@@ -274,7 +274,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cosine_similarity", g.cosine_similarity,
         reason="rounding can put the cosine past +-1, where acos/asin give NaN",
-        action="result clamped to [-1, 1]; +-inf operands to +-max",
+        action="result clamped to [-1, 1]; +-inf operands to +-sat",
         functions=("F.cosine_similarity", "torch.cosine_similarity"),
         modules=("nn.CosineSimilarity",),
         sample=Sample(operands(tensor(INF, 1.0, shape=(1, 2)), tensor(1.0, 1.0, grad=False, shape=(1, 2))),
@@ -308,7 +308,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "binary_cross_entropy_with_logits", g.loss,
         reason="a -inf logit against a positive target (or +inf against 0) gives inf, 0 * inf = NaN",
-        action="+-inf logits to +-max (the loss and its gradient are then exact and finite)",
+        action="+-inf logits to +-sat (the loss and its gradient are then exact and finite)",
         functions=("F.binary_cross_entropy_with_logits",), modules=("nn.BCEWithLogitsLoss",),
         sample=Sample(operands(tensor(-INF, 1.0), tensor(1.0, 0.0, grad=False)),
                       operands(tensor(-2.0, 1.0), tensor(1.0, 0.0, grad=False)),
@@ -317,7 +317,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "ctc_loss", g.ctc,
         reason="an input shorter than its target has no alignment: inf loss, NaN gradient",
-        action="zero_infinity=True: such a loss and its gradient become 0; +-inf log-probs to +-max",
+        action="zero_infinity=True: such a loss and its gradient become 0; +-inf log-probs to +-sat",
         functions=("F.ctc_loss", "torch.ctc_loss"), modules=("nn.CTCLoss",),
         sample=Sample(
             operands(tensor(-1.0986, -1.0986, -1.0986, shape=(1, 1, 3)), tensor(1, 2, dtype=torch.int64, shape=(1, 2)),
@@ -375,7 +375,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "logdet", g.finite_call,
         reason="a singular matrix has log|det| = -inf, with an infinite gradient",
-        action="the result saturated at -max; non-finite gradients become 0",
+        action="the result saturated at -sat; non-finite gradients become 0",
         functions=("torch.logdet", "torch.linalg.slogdet", "torch.slogdet"),
         sample=Sample(operands(tensor(1.0, 1.0, 1.0, 1.0, shape=(2, 2))),
                       operands(tensor(2.0, 1.0, 1.0, 2.0, shape=(2, 2))), dtypes=(torch.float32, torch.float64),
@@ -407,7 +407,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cosh", g.finite_call,
         reason="cosh and sinh overflow to inf past log(2 max)",
-        action="the result saturated at +-max; non-finite gradients become 0",
+        action="the result saturated at +-sat; non-finite gradients become 0",
         functions=("torch.cosh", "torch.sinh"), methods=("cosh", "sinh"),
         sample=Sample(operands(tensor(1000.0, 1.0)), operands(tensor(-1.0, 0.0, 2.0))),
     ),
@@ -455,7 +455,7 @@ RULES: tuple[Rule, ...] = (
         "remainder", g.finite_call,
         reason="remainder/fmod by 0 is NaN, floor_divide by 0 +-inf; the gradient in the divisor "
         "(-floor(x / y)) overflows for a tiny divisor",
-        action="NaN (a zero divisor) becomes 0, +-inf +-max; non-finite gradients become 0",
+        action="NaN (a zero divisor) becomes 0, +-inf +-sat; non-finite gradients become 0",
         functions=("torch.remainder", "torch.fmod", "torch.floor_divide"),
         operators=("operator.mod", "operator.floordiv"),
         inplace_operators=(("operator.imod", "operator.mod"), ("operator.ifloordiv", "operator.floordiv")),
@@ -477,7 +477,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "addcdiv", g.finite_call,
         reason="x + v * t1 / t2 divides by t2: 0/0 is NaN, t1/0 inf",
-        action="a NaN result becomes 0, +-inf +-max; non-finite gradients become 0",
+        action="a NaN result becomes 0, +-inf +-sat; non-finite gradients become 0",
         sample=Sample(operands(tensor(1.0, 1.0), tensor(0.0, 1.0), tensor(0.0, 0.0)),
                       operands(tensor(1.0, 2.0), tensor(3.0, -4.0), tensor(2.0, 4.0))),
     ),
@@ -505,7 +505,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "ndtri", g.finite_call,
         reason="the inverse normal CDF is -inf at 0 and +inf at 1, NaN outside [0, 1]",
-        action="the result saturated at +-max (NaN to 0); non-finite gradients become 0",
+        action="the result saturated at +-sat (NaN to 0); non-finite gradients become 0",
         functions=("torch.special.ndtri",),
         sample=Sample(operands(tensor(0.0, 1.0, 0.5)), operands(tensor(0.25, 0.5, 0.75)),
                       dtypes=(torch.float32, torch.float64)),
@@ -513,7 +513,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "entr", g.finite_call,
         reason="-x log x is -inf for x < 0 by definition; its gradient at 0 is infinite",
-        action="the result saturated at -max; non-finite gradients become 0",
+        action="the result saturated at -sat; non-finite gradients become 0",
         functions=("torch.special.entr",),
         sample=Sample(operands(tensor(-0.5, 0.0, 0.5)), operands(tensor(0.25, 0.5, 2.0))),
     ),
@@ -733,7 +733,7 @@ RULES: tuple[Rule, ...] = (
         "matmul", g.finite_low_precision,
         reason="in float16 (max 65504) a product of ordinary activations overflows to inf (a T5 "
         "feed-forward output), and everything after it is inf or NaN",
-        action="float16 only: the result saturated at +-max (identity on finite values); bfloat16, "
+        action="float16 only: the result saturated at +-sat (identity on finite values); bfloat16, "
         "float32 and float64 (max >= 3.4e38) run as written",
         functions=("torch.matmul", "torch.mm"), operators=("operator.matmul",), methods=("matmul", "mm"),
         inplace=False,
@@ -745,7 +745,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "linear", g.finite_low_precision,
         reason="nn.Linear in float16: the output overflows to inf on ordinary activations",
-        action="float16 only: the result saturated at +-max; other dtypes run as written",
+        action="float16 only: the result saturated at +-sat; other dtypes run as written",
         functions=("F.linear",),
         sample=Sample(operands(tensor(300.0, 300.0, shape=(1, 2)), tensor(300.0, 300.0, shape=(1, 2))),
                       operands(tensor(3.0, 2.0, shape=(1, 2)), tensor(1.0, 4.0, shape=(1, 2))),
@@ -755,7 +755,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "addmm", g.finite_low_precision,
         reason="bias + x @ W in float16 (Hugging Face's Conv1D): overflows to inf",
-        action="float16 only: the result saturated at +-max; other dtypes run as written",
+        action="float16 only: the result saturated at +-sat; other dtypes run as written",
         functions=("torch.addmm",), methods=("addmm",), inplace=False,
         sample=Sample(operands(tensor(0.0, shape=(1, 1)), tensor(300.0, 300.0, shape=(1, 2)),
                                tensor(300.0, 300.0, shape=(2, 1))),
@@ -766,7 +766,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "bmm", g.finite_low_precision,
         reason="batched products (attention scores q @ k^T) in float16 overflow to inf",
-        action="float16 only: the result saturated at +-max; other dtypes run as written",
+        action="float16 only: the result saturated at +-sat; other dtypes run as written",
         functions=("torch.bmm",), methods=("bmm",), inplace=False,
         sample=Sample(operands(tensor(300.0, 300.0, shape=(1, 1, 2)), tensor(300.0, 300.0, shape=(1, 2, 1))),
                       operands(tensor(3.0, 2.0, shape=(1, 1, 2)), tensor(1.0, 4.0, shape=(1, 2, 1))),

@@ -1,0 +1,97 @@
+"""The model as a whole stays finite, not only each guarded op: a guard that replaces an
+overflow leaves headroom (max / 16), so the ordinary op after it cannot overflow in turn
+(docs/guards.md, "The model as a whole")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nanpass
+from tests.helpers import all_finite, forward_backward
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+class ExpTwice(nn.Module):
+    """The issue's example: exp(100) saturated, then doubled."""
+
+    def forward(self, x):
+        return torch.exp(x) * 2 + torch.expm1(x) * 2 + torch.exp2(x) * 2
+
+
+class NormsSummed(nn.Module):
+    """Three overflowing norms, summed."""
+
+    def forward(self, a, b, c):
+        return a.norm() + b.norm() + c.norm()
+
+
+class Quotients(nn.Module):
+    """100 / tiny overflows; the quotient then scaled and added to a residual."""
+
+    def forward(self, x, d):
+        return (x / d) * 4 + x
+
+
+class HalfBlock(nn.Module):
+    """float16: a linear output past 65504, a residual add, an RMS norm of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+        nn.init.constant_(self.lin.weight, 300.0)
+
+    def forward(self, x):
+        h = x + self.lin(x)
+        return h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+
+
+def _operands(model, dtype):
+    big = float(torch.finfo(dtype).max)
+    if isinstance(model, ExpTwice):
+        return (torch.tensor([100.0, 1e4, 1.0], dtype=dtype, requires_grad=True),)
+    if isinstance(model, NormsSummed):
+        return tuple(torch.full((4,), big, dtype=dtype, requires_grad=True) for _ in range(3))
+    if isinstance(model, Quotients):
+        tiny = float(torch.finfo(dtype).tiny)
+        return (torch.tensor([100.0, -100.0, 1.0], dtype=dtype, requires_grad=True),
+                torch.tensor([tiny, tiny, 2.0], dtype=dtype, requires_grad=True))
+    return (torch.full((2, 4), 300.0, dtype=dtype, requires_grad=True),)
+
+
+CASES = [pytest.param(m, d, id=f"{m.__name__}-{str(d)[6:]}") for m in (ExpTwice, NormsSummed, Quotients)
+         for d in DTYPES] + [pytest.param(HalfBlock, torch.float16, id="HalfBlock-float16")]
+
+
+@pytest.mark.parametrize("capture", ["harden", "backend"])
+@pytest.mark.parametrize("cls,dtype", CASES)
+def test_the_op_after_a_saturated_guard_stays_finite(cls, dtype, capture):
+    model = cls().to(dtype)
+    args = _operands(model, dtype)
+    outs, grads = forward_backward(model, [a.detach().clone().requires_grad_() for a in args])
+    assert not all_finite(outs + grads), "the unguarded model should overflow here"
+    safe = nanpass.harden(model) if capture == "harden" else torch.compile(model, backend=nanpass.backend(inner="eager"))
+    outs, grads = forward_backward(safe, args)
+    assert all_finite(outs), f"{cls.__name__} {dtype}: {outs}"
+    assert all_finite(grads), f"{cls.__name__} {dtype}: {grads}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_headroom_is_exact_and_leaves_finite_results_alone(dtype):
+    """+inf becomes max / 16 (a power of two: exact); a finite result near max is its own."""
+    from nanpass._constants import bounds
+
+    b = bounds(dtype)
+    assert b.sat == float(torch.finfo(dtype).max) / 16
+    assert float(torch.tensor(b.sat, dtype=dtype)) == b.sat
+    x = torch.tensor([b.exp_hi, b.exp_hi + 1, float("inf")], dtype=dtype)
+    got = nanpass.harden(ExpOnly())(x)
+    assert got[0] == torch.exp(x[0])  # the last finite exp, near max: untouched
+    assert got[1] == b.sat and got[2] == b.sat
+
+
+class ExpOnly(nn.Module):
+    def forward(self, x):
+        return torch.exp(x)
