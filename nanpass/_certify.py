@@ -589,9 +589,15 @@ def analyse(model, example_inputs, specs, hardened=False, trace=False) -> tuple[
         if isinstance(x, Tensor):
             x = x.detach().clone().requires_grad_(x.requires_grad)
         inputs.append(x)
-    for x, spec in zip(inputs, specs, strict=True):
+    for i, (x, spec) in enumerate(zip(inputs, specs, strict=True)):
         if spec is not None:
-            analysis.set(x, input_box(x, spec))
+            b = input_box(x, spec)
+            if x.is_floating_point():  # the example itself inside the range: constants fold exactly
+                with torch.no_grad():
+                    x = torch.maximum(torch.minimum(x, b.hi.to(x.dtype)), b.lo.to(x.dtype))
+                x = x.requires_grad_(inputs[i].requires_grad)
+                inputs[i] = x
+            analysis.set(x, b)
     with analysis:
         result = model(*inputs)
     out_boxes = [analysis.box(t) for t in _float_tensors(result)]

@@ -210,13 +210,15 @@ def monotone(a: Box, f: Callable, lo_dom: float = -INF, hi_dom: float = INF, dec
     return Box(flo, fhi, nan)
 
 
-def with_min(a: Box, f: Callable, xmin: float, fmin: float) -> Box:
-    """A function decreasing up to ``xmin`` (where it is ``fmin``), increasing after."""
+def with_min(a: Box, f: Callable, xmin: float, fmin: float, nan_at_neg_inf: bool = False) -> Box:
+    """A function decreasing up to ``xmin`` (where it is ``fmin``), increasing after
+    (``nan_at_neg_inf``: x * g(x) with g(-inf) = 0, as gelu and silu, is NaN at -inf)."""
     flo, fhi = f(a.lo), f(a.hi)
     lo = torch.minimum(flo, fhi)
     lo = torch.where((a.lo <= xmin) & (a.hi >= xmin), torch.full_like(lo, fmin), lo)
     lo, hi = _clean(lo, torch.maximum(flo, fhi))
-    return Box(lo, hi, a.nan)
+    nan = torch.maximum(a.nan, (a.lo == -INF).to(F64)) if nan_at_neg_inf else a.nan
+    return Box(lo, hi, nan)
 
 
 def clamp(a: Box, lo=None, hi=None) -> Box:
@@ -455,7 +457,14 @@ def matmul_box(a: Box, b: Box, dtype: torch.dtype) -> Box:
     mid = am @ bm
     rad = am.abs() @ br + ar @ bm.abs() + ar @ br
     mag = torch.maximum(a.lo.abs(), a.hi.abs()) @ torch.maximum(b.lo.abs(), b.hi.abs())
-    return widen(Box(mid - rad, mid + rad), dtype, k=2, n=n, mag=mag)
+    return widen(Box(mid - rad, mid + rad, _overflow_nan(mag, dtype)), dtype, k=2, n=n, mag=mag)
+
+
+def _overflow_nan(mag: Tensor, dtype: torch.dtype) -> Tensor:
+    """A sum whose terms' magnitudes add up past max may hold +inf and -inf partial sums: NaN."""
+    if not dtype.is_floating_point:
+        return torch.zeros_like(mag)
+    return (mag * (1 + 1e-3) >= float(torch.finfo(dtype).max)).to(F64)
 
 
 def layer_norm_box(x: Box, normalized_shape, w: Box | None, b: Box | None, eps: float,
@@ -479,7 +488,8 @@ def layer_norm_box(x: Box, normalized_shape, w: Box | None, b: Box | None, eps: 
         y = mul(y, w)
     if b is not None:
         y = add(y, b)
-    mean = Box(x.lo.amin(dims, keepdim=True), x.hi.amax(dims, keepdim=True), row_nan)
+    mean = Box(x.lo.amin(dims, keepdim=True), x.hi.amax(dims, keepdim=True),
+               row_nan if ok else torch.ones_like(row_nan))  # inf - inf, or a sum past max
     if ok:
         big = (2 * m) ** 2 + eps_d
         rstd = Box(torch.full_like(mean.lo, 1 / math.sqrt(big * 1.01)), torch.full_like(mean.lo, 1.01 / math.sqrt(eps_d)),
@@ -640,10 +650,19 @@ TRANSFER["sin"] = TRANSFER["cos"] = lambda bx, a, k, o: Box(
     torch.full(o.shape, -1.0, dtype=F64), torch.full(o.shape, 1.0, dtype=F64),
     torch.maximum(bx(a[0]).nan, _has_inf(bx(a[0])).to(F64)).expand(o.shape))
 TRANSFER["cosh"] = lambda bx, a, k, o: with_min(bx(a[0]), torch.cosh, 0.0, 1.0)
-TRANSFER["gelu"] = lambda bx, a, k, o: with_min(
-    bx(a[0]), lambda t: torch.nn.functional.gelu(t, approximate=k.get("approximate", "none")), -0.7517916, -0.1701)
-TRANSFER["silu"] = lambda bx, a, k, o: with_min(bx(a[0]), torch.nn.functional.silu, -1.2784645, -0.27847)
-TRANSFER["mish"] = lambda bx, a, k, o: with_min(bx(a[0]), torch.nn.functional.mish, -1.1924, -0.30885)
+def _gelu(bx, a, k, o):
+    x = bx(a[0])
+    approx = k.get("approximate", "none")
+    r = with_min(x, lambda t: torch.nn.functional.gelu(t, approximate=approx), -0.7517916, -0.1701, True)
+    mx = float(torch.finfo(o.dtype).max)
+    hi = torch.where(x.hi > mx / 4, INF, r.hi)  # x * 0.5 * (1 + erf) overflows on the way
+    nan = torch.maximum(r.nan, (x.hi == INF).to(F64)) if approx == "none" else r.nan  # gelu(inf) is NaN
+    return Box(r.lo, hi, nan)
+
+
+TRANSFER["gelu"] = _gelu
+TRANSFER["silu"] = lambda bx, a, k, o: with_min(bx(a[0]), torch.nn.functional.silu, -1.2784645, -0.27847, True)
+TRANSFER["mish"] = lambda bx, a, k, o: with_min(bx(a[0]), torch.nn.functional.mish, -1.1924, -0.30885, True)
 
 
 @_reg("pow")
@@ -723,7 +742,10 @@ def _or(bx, a, k, o):
 @_reg("sum")
 def _sum(bx, a, k, o):
     b, n, mag = sum_box(bx(a[0]), _arg(a, k, 1, "dim"), _arg(a, k, 2, "keepdim", False))
-    return widen(b, o.dtype, n=n, mag=mag) if o.is_floating_point() else b
+    if not o.is_floating_point():
+        return b
+    b.nan = torch.maximum(b.nan, _overflow_nan(mag, o.dtype))
+    return widen(b, o.dtype, n=n, mag=mag)
 
 
 @_reg("mean")
@@ -733,6 +755,7 @@ def _mean(bx, a, k, o):
     b, n, mag = sum_box(x, dims, _arg(a, k, 2, "keepdim", False))
     if n == 0:
         return top_like(o)
+    b.nan = torch.maximum(b.nan, _overflow_nan(mag, o.dtype))
     return widen(Box(b.lo / n, b.hi / n, b.nan), o.dtype, n=n, mag=mag / n)
 
 
@@ -786,6 +809,8 @@ def _var_op(name):
             corr = 1 if unb else 0
         keep = k.get("keepdim", False)
         v = var_box(x, dim, float(corr), keep)
+        n = max(_count(x.lo, _dims(x.lo, dim)), 1)
+        v.nan = torch.maximum(v.nan, _overflow_nan(v.hi * n * 4, a[0].dtype))  # (x - mean)^2 sums past max
         res = v if name.startswith("var") else monotone(v, torch.sqrt, lo_dom=0.0)
         res = widen(res, a[0].dtype, k=4, n=_count(x.lo, _dims(x.lo, dim)), mag=v.hi)
         if name.endswith("_mean"):
@@ -807,6 +832,8 @@ def _cumsum(bx, a, k, o):
     nan = torch.cummax(torch.maximum(x.nan, (torch.cummax((x.lo == -INF).to(F64), d).values
                                               * torch.cummax((x.hi == INF).to(F64), d).values)), d).values
     mag = torch.cumsum(torch.maximum(x.lo.abs(), x.hi.abs()), d)
+    if o.is_floating_point():
+        nan = torch.maximum(nan, _overflow_nan(mag, o.dtype))
     return widen(Box(lo, hi, nan), o.dtype, n=x.lo.shape[d] if x.lo.dim() else 1, mag=mag) \
         if o.is_floating_point() else Box(lo, hi, nan)
 

@@ -13,6 +13,7 @@ ordinary arithmetic, for random ranges:
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -70,6 +71,8 @@ class Program(nn.Module):
         vals = list(xs)
         for op, i, j in self.steps:
             a = vals[i % len(vals)]
+            if a.shape != (3, 4):
+                a = a.expand(3, 4) if a.shape[-1] == 1 else a.sum(-1, keepdim=True).expand(3, 4)
             if op == "linear":
                 vals.append(F.linear(a, self.w))
             elif op in UNARY:
@@ -163,7 +166,9 @@ def check_containment(model, inputs, ranges, dtype, n=12):
 
 def check_verdicts(model, inputs, ranges, dtype, n=12):
     cert = nanpass.certify(model, *inputs, ranges=ranges)
-    proven_ops = {v.op for v in cert.verdicts if v.verdict == PROVEN}
+    # a rule proven at every one of its call sites (the recorder does not see sites)
+    proven_ops = {v.op for v in cert.verdicts if v.verdict == PROVEN} - {
+        v.op for v in cert.verdicts if v.verdict != PROVEN}
     from nanpass._certify import ATEN_RULES
 
     for xs in samples(ranges, dtype, n):
@@ -183,7 +188,11 @@ def check_verdicts(model, inputs, ranges, dtype, n=12):
 # -- soundness: the property tests ------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+# NANPASS_SOUNDNESS_EXAMPLES=2000 for a long run
+_EXAMPLES = int(os.environ.get("NANPASS_SOUNDNESS_EXAMPLES", "60"))
+
+
+@settings(max_examples=_EXAMPLES, deadline=None)
 @given(programs())
 def test_soundness_containment(prog):
     model, dtype, ranges = prog
@@ -193,7 +202,7 @@ def test_soundness_containment(prog):
     assert check_containment(model, inputs, ranges, dtype) > 0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=_EXAMPLES, deadline=None)
 @given(programs())
 def test_soundness_verdicts(prog):
     model, dtype, ranges = prog
