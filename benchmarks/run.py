@@ -1,7 +1,9 @@
 """nanpass benchmarks: overhead of the guards against the unguarded model, measured in one
 process, interleaved, after warm-up, median of repeats. Prints a table and writes JSON.
 
-    python benchmarks/run.py [--quick] [--json out.json]
+    python benchmarks/run.py [--quick] [--json out.json] [--plots DIR]
+
+Plots go to benchmarks/results/ (not tracked); ``--plots docs/img`` refreshes the docs' figures.
 """
 
 from __future__ import annotations
@@ -104,6 +106,23 @@ def saved_numel(step) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
     return sum(seen.values())
+
+
+def autocast_step(model, batch, dtype=torch.bfloat16):
+    """A mixed-precision train step as users write it on CPU: forward and loss under autocast."""
+    inner = train_step(model, batch)
+
+    def step():
+        with torch.autocast("cpu", dtype=dtype):
+            inner()
+
+    return step
+
+
+def bench_autocast(model, batch, repeats):
+    safe = nanpass.harden(model)
+    t = interleaved({"plain": autocast_step(model, batch), "nanpass": autocast_step(safe, batch)}, repeats)
+    return {"plain_ms": t["plain"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3, "ratio": t["nanpass"] / t["plain"]}
 
 
 def bench_eager(name, model, batch, repeats):
@@ -260,6 +279,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats, no inductor compile")
     ap.add_argument("--json", default="benchmarks/results/latest.json")
+    ap.add_argument("--plots", default="benchmarks/results", metavar="DIR",
+                    help="where the figures go (default benchmarks/results; docs/img for the docs)")
     args = ap.parse_args()
     repeats = 5 if args.quick else 15
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -268,6 +289,7 @@ def main():
     models = {name: make() for name, make in MODELS.items()}
     results["eager"] = {name: bench_eager(name, m, b, repeats) for name, (m, b) in models.items()}
     results["check_mode"] = {name: bench_check_mode(m, b, repeats) for name, (m, b) in models.items()}
+    results["autocast_bf16"] = {name: bench_autocast(*models[name], repeats) for name in ("mlp", "gpt2-12L")}
     if not args.quick:
         results["compiled"] = {name: bench_compiled(m, b, repeats, shapes=name.startswith("transformer"))
                                for name, (m, b) in models.items()}
@@ -284,6 +306,9 @@ def main():
                   f"{x['ratio']:7.3f}")
         m = r["saved_for_backward"]
         print(f"{name:26} {'saved for bwd':16} {m['plain']:10d} {m['nanpass']:11d} {m['ratio']:7.3f}  elements")
+    for name, x in results["autocast_bf16"].items():
+        print(f"{name:26} {'bf16 autocast':16} {x['plain_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"
+              "  train step")
     for name, x in results["check_mode"].items():
         print(f"{name:26} {'check mode':16} {x['plain_ms']:10.2f} {'':11} {x['check_ratio']:7.3f}"
               f"  detect_anomaly: {x['detect_anomaly_ratio']:.3f}")
@@ -299,7 +324,7 @@ def main():
         ratio = f"{x['ratio']:.2f}" if "ratio" in x else "n/a"
         print(f"cold compile {name}: inductor {x['inductor']} s, nanpass {x['nanpass']} s, ratio {ratio}")
     print("peak memory: needs a CUDA device (torch.cuda.max_memory_allocated); not measured on CPU")
-    for path in plots(results, "docs/img"):
+    for path in plots(results, args.plots):
         print(f"wrote {path}")
     import os
 
