@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from ._check import flagged
+from ._compat import dynamo_cache_entries, inner_compiler
 from ._config import Config, make_config
 from ._errors import ConfigError
 from ._rewrite import Change, GraphRecord, rewrite, rewrite_and_record
@@ -34,8 +35,6 @@ _BY_CALLABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _dynamo_records(model: torch.nn.Module) -> set[int]:
     """Walk dynamo's cache entries of every forward in the model (and their resume functions
     after graph breaks) to the callables this backend returned."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
     found: set[int] = set()
     seen: set = set()
     stack = [type(m).forward for m in model.modules()]
@@ -45,7 +44,7 @@ def _dynamo_records(model: torch.nn.Module) -> set[int]:
         if code is None or code in seen:
             continue
         seen.add(code)
-        for entry in _debug_get_cache_entry_list(code):
+        for entry in dynamo_cache_entries(code):
             for name in entry.code.co_names:
                 obj = fn.__globals__.get(name)
                 if name.startswith("__resume_at"):
@@ -85,13 +84,7 @@ def graphs_of(model: torch.nn.Module) -> list[GraphRecord]:
 def _inner(name: str, gm: fx.GraphModule, example_inputs):
     if name == "eager":
         return gm.forward
-    if name == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
-
-        return aot_eager(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(gm, example_inputs)
+    return inner_compiler(name)(gm, example_inputs)
 
 
 def compile_graph(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._compat import foreach_norm
 from ._errors import NanpassError
 
 Tensor = torch.Tensor
@@ -288,7 +289,7 @@ def flagged(compiled, sites: list, warn: bool, eager=None):
             grads = [g for g in grads if g is not None and g.is_floating_point()]
             if not grads:
                 return
-            norms = torch._foreach_norm(grads)
+            norms = foreach_norm(grads)
             if bool(torch.isfinite(torch.stack([n.float() for n in norms]).sum())):  # one sync
                 return
             replay = [a.detach().requires_grad_() if isinstance(a, Tensor) and a.requires_grad else a

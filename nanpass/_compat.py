@@ -6,6 +6,12 @@ nothing unless a hardened call is running.
   implementations look their worker up at call time, so wrapping it here makes the region's
   function re-enter the hardened call's guards on recompute.
 - ``graph_task_id``: which backward pass is running (``torch._C._current_graph_task_id``).
+- ``dynamo_cache_entries``: dynamo's compiled entries of a code object, so that
+  ``nanpass.report(compiled)`` finds every graph of a model, after graph breaks too.
+- ``inner_compiler``: the aot_eager and inductor compilers the backend hands its graph to.
+- ``fake_mode``: a ``FakeTensorMode`` (shape checks run the model on fake tensors), quiet.
+- ``sym_free_symbols`` / ``sym_constant``: what a symbolic dim (``SymInt``) is built from.
+- ``foreach_norm`` / ``foreach_mul_``: the fused per-list kernels StepGuard and check mode use.
 - ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` take their fused inference
   fast path only when ``torch.overrides.has_torch_function(args)`` is False, which any active
   TorchFunctionMode makes True: hardened, they would run the slow path and round differently.
@@ -17,7 +23,9 @@ nothing unless a hardened call is running.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 
 import torch
 import torch.utils.checkpoint as _cp
@@ -88,6 +96,56 @@ def graph_task_id() -> int | None:
         return None
     task = fn()
     return None if task == -1 else task
+
+
+def dynamo_cache_entries(code) -> list:
+    """Dynamo's cache entries for a code object (each has ``.code``, the transformed code)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return _debug_get_cache_entry_list(code)
+
+
+def inner_compiler(name: str):
+    """``aot_eager`` or inductor's ``compile_fx``: ``(gm, example_inputs) -> callable``."""
+    if name == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx
+
+
+@contextlib.contextmanager
+def fake_mode():
+    """A FakeTensorMode that accepts real tensors, with its per-kernel error log silenced
+    (a shape error is what the caller expects, and it raises its own)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        yield FakeTensorMode(allow_non_fake_inputs=True)
+    finally:
+        quiet.setLevel(level)
+
+
+def sym_free_symbols(d) -> set:
+    """The free symbols of a symbolic dim (empty for a constant one)."""
+    return set(d.node.expr.free_symbols)
+
+
+def sym_constant(d) -> int:
+    return int(d.node.expr)
+
+
+def foreach_norm(tensors, ord: float = 2.0):
+    return torch._foreach_norm(tensors, ord)
+
+
+def foreach_mul_(tensors, scalar) -> None:
+    torch._foreach_mul_(tensors, scalar)
 
 
 _patch_checkpoint()

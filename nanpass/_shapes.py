@@ -9,7 +9,6 @@ torch says ``mat1 and mat2 shapes cannot be multiplied (1x20 and 30x10)`` from d
 
 from __future__ import annotations
 
-import logging
 import os
 import traceback
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from ._compat import fake_mode, sym_constant, sym_free_symbols
 from ._errors import CaptureError, NanpassError
 from ._source import input_name, is_user_file
 
@@ -200,24 +200,19 @@ def check_shapes(model: nn.Module, *example_inputs, **example_kwargs) -> ShapeTa
     ...
     nanpass._shapes.ShapeError: nanpass: shape mismatch entering 1 (Linear): expected (*, 30), got (1, 20) — produced by 0 (torch: mat1 and mat2 shapes cannot be multiplied (1x20 and 30x10))
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     tracker = _Tracker(model)
     handles = []
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(tracker.pre, with_kwargs=True))
         handles.append(m.register_forward_hook(tracker.post, with_kwargs=True))
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    quiet = logging.getLogger("torch._subclasses.fake_tensor")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)  # it logs every failing meta kernel; we raise our own
     try:
-        with mode:
-            fake_args = [mode.from_tensor(a) if isinstance(a, Tensor) else a for a in example_inputs]
-            fake_kwargs = {k: mode.from_tensor(v) if isinstance(v, Tensor) else v
-                           for k, v in example_kwargs.items()}
-        with mode, _Producers(tracker):
-            model(*fake_args, **fake_kwargs)
+        with fake_mode() as mode:  # it logs every failing meta kernel; we raise our own
+            with mode:
+                fake_args = [mode.from_tensor(a) if isinstance(a, Tensor) else a for a in example_inputs]
+                fake_kwargs = {k: mode.from_tensor(v) if isinstance(v, Tensor) else v
+                               for k, v in example_kwargs.items()}
+            with mode, _Producers(tracker):
+                model(*fake_args, **fake_kwargs)
     except (RuntimeError, ValueError, IndexError, AssertionError) as e:
         if isinstance(e, NanpassError) or not tracker.stack:
             raise
@@ -229,7 +224,6 @@ def check_shapes(model: nn.Module, *example_inputs, **example_kwargs) -> ShapeTa
             ) from e
         raise tracker.error(e) from e
     finally:
-        quiet.setLevel(level)
         for h in handles:
             h.remove()
     return ShapeTable([row for _, row in sorted(tracker.rows, key=lambda r: r[0])])
@@ -340,7 +334,7 @@ def _free_symbols(gm, dynamic: dict[int, str]) -> set:
         if n.op == "placeholder" and isinstance(v, Tensor):
             for i, d in enumerate(v.shape):
                 if i in dynamic and not isinstance(d, int):
-                    free |= d.node.expr.free_symbols
+                    free |= sym_free_symbols(d)
     return free
 
 
@@ -348,10 +342,10 @@ def _same_dim(got, want, free) -> bool:
     if not isinstance(want, int):
         return True
     if not isinstance(got, int):
-        symbols = got.node.expr.free_symbols
+        symbols = sym_free_symbols(got)
         if symbols:
             return free is not None and symbols <= free
-        got = int(got.node.expr)  # a symbolic int that is a constant
+        got = sym_constant(got)  # a symbolic int that is a constant
     return got == want
 
 
@@ -400,8 +394,6 @@ class _FirstUse(TorchFunctionMode):
 
 def first_use(model: nn.Module, args: tuple, kwargs: dict, target: Tensor) -> str:
     """The layer or op a call's input first enters, found on fake tensors (no real compute)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     names = {m: n for n, m in model.named_modules()}
     found: list[str] = []
 
@@ -411,26 +403,22 @@ def first_use(model: nn.Module, args: tuple, kwargs: dict, target: Tensor) -> st
             found.append(f"{names.get(module) or '<root>'} "
                          f"({type(module).__name__}{', ' + _short(line) if line else ''})")
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        fakes = {id(a): mode.from_tensor(a) for a in _tensors((args, kwargs))}
-    fake_target = fakes[id(target)]
+    with fake_mode() as mode:
+        with mode:
+            fakes = {id(a): mode.from_tensor(a) for a in _tensors((args, kwargs))}
+        fake_target = fakes[id(target)]
 
-    def fake(x):
-        return fakes.get(id(x), x) if isinstance(x, Tensor) else x
+        def fake(x):
+            return fakes.get(id(x), x) if isinstance(x, Tensor) else x
 
-    handle = nn.modules.module.register_module_forward_pre_hook(lambda m, a: pre(m, a, {}))
-    quiet = logging.getLogger("torch._subclasses.fake_tensor")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
-    try:
-        with mode, _FirstUse(fake_target, found):
-            model(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
-    except Exception:  # noqa: S110 - a shape error after the first use is what we expect
-        pass
-    finally:
-        handle.remove()
-        quiet.setLevel(level)
+        handle = nn.modules.module.register_module_forward_pre_hook(lambda m, a: pre(m, a, {}))
+        try:
+            with mode, _FirstUse(fake_target, found):
+                model(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
+        except Exception:  # noqa: S110 - a shape error after the first use is what we expect
+            pass
+        finally:
+            handle.remove()
     return found[0] if found else type(model).__name__
 
 

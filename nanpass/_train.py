@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ._check import NonFiniteError, describe
+from ._compat import foreach_mul_, foreach_norm
 from ._errors import ConfigError, NanpassTypeError
 
 Tensor = torch.Tensor
@@ -197,7 +198,7 @@ class StepGuard:
         # a sparse gradient (nn.Embedding(sparse=True)) may repeat an index: its norm is that of
         # the coalesced values; clipping scales the stored values, which scales their sum too
         views = [g.coalesce()._values() if g.is_sparse else g for g in grads]
-        norms = torch._foreach_norm(views, self.norm_type)  # one fused pass over every gradient
+        norms = foreach_norm(views, self.norm_type)  # one fused pass over every gradient
         total = torch.linalg.vector_norm(torch.stack([n.to(views[0].device) for n in norms]),
                                          self.norm_type)
         distributed = self.sync and dist.is_available() and dist.is_initialized()
@@ -218,7 +219,7 @@ class StepGuard:
             coef = torch.where(torch.isfinite(total), self.max_norm / (total + 1e-6),
                                torch.zeros_like(total)).clamp(max=1.0)
             targets = [g._values() if g.is_sparse else g for g in grads]
-            torch._foreach_mul_(targets, coef.to(targets[0].dtype))
+            foreach_mul_(targets, coef.to(targets[0].dtype))
         if self._device_verdict(closure):
             # the optimizer takes the verdict as a tensor (fused Adam/SGD/Adagrad skip the update
             # on the device, as under GradScaler): no host sync at all
