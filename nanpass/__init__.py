@@ -27,6 +27,8 @@ from ._rewrite import GraphRecord as GraphRecord
 from ._rewrite import summary as summary
 from ._rules import RULES as RULES
 from ._rules import Rule as Rule
+from ._search import SearchFinding as SearchFinding
+from ._search import search as search
 from ._shapes import ShapeError as ShapeError
 from ._shapes import ShapeTable as ShapeTable
 from ._shapes import check_shapes as check_shapes

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import linecache
+import math
 import os
 import sys
 import time
@@ -506,7 +507,8 @@ class Analysis(TorchDispatchMode):
         if not fl_out:
             return
         out_ok = all(b.finite() for _, b in fl_out)
-        in_ok = all(b.finite() for b in fl_in)
+        in_ok = all(b.finite() for b in fl_in) and all(
+            math.isfinite(a) for a in args if isinstance(a, float))  # masked_fill(m, -inf), full(-inf)
         rule = ATEN_RULES.get(base)
         if rule is not None:
             r = BY_NAME[rule]

@@ -117,10 +117,13 @@ def widen(b: Box, dtype: torch.dtype, k: float = 2.0, n: int = 1, mag: Tensor | 
         acc = (n + 1) * (eps + torch.finfo(F64).eps) * mag
         err_lo = err_lo + acc
         err_hi = err_hi + acc
+    # round to nearest never passes max from an exact value at most max: only a bound past max
+    # (before widening) may be inf; a widened bound is capped at max
+    over_hi, over_lo = hi > mx, lo < -mx
     lo = torch.where(torch.isfinite(lo), lo - err_lo, lo)
     hi = torch.where(torch.isfinite(hi), hi + err_hi, hi)
-    lo = torch.where(lo < -mx, -INF, lo)
-    hi = torch.where(hi > mx, INF, hi)
+    lo = torch.where(over_lo, -INF, lo.clamp(min=-mx))
+    hi = torch.where(over_hi, INF, hi.clamp(max=mx))
     lo = torch.where(lo > mx, mx, lo)  # a lower bound past max: the value may round to max
     hi = torch.where(hi < -mx, -mx, hi)
     return Box(lo, hi, b.nan)
