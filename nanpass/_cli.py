@@ -21,13 +21,15 @@ EPILOG = """\
 The target is PATH:NAME, where NAME is an nn.Module class or a function returning a module;
 it is called with no arguments. nanpass imports PATH, which runs the code in it.
 
-exit status: 0 success; 1 unsafe ops found (scan --strict); 2 bad usage or a model that
+exit status: 0 success; 1 unsafe ops found (scan --strict), or an op not proven safe
+and not guarded (scan --certify); 2 bad usage or a model that
 could not be built, run or captured.
 
 examples:
   nanpass report examples/quickstart.py:TinyAttentionClassifier --inputs batch.pt
   nanpass report model.py:build --input-shape 2,16 --format html -o report.html
   nanpass scan model.py:Net --input-shape 8,3,32,32 --strict
+  nanpass scan model.py:Net --input-shape 8,16 --certify --ranges=-1,1
 """
 
 
@@ -61,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--debug", action="store_true", help="show full tracebacks")
         if name == "scan":
             c.add_argument("--strict", action="store_true", help="exit 1 when any unsafe op is found")
+            c.add_argument("--certify", action="store_true",
+                           help="prove each unsafe op safe for inputs within --ranges (interval analysis), "
+                           "or name it; exit 1 when an op is unsafe and unguarded")
+            c.add_argument("--ranges", action="append", metavar="LO,HI",
+                           help="with --certify: the range of the floating inputs, written --ranges=LO,HI when LO < 0 (once for all, or once "
+                           "per positional input; 'finite' for the dtype's finite range, 'none' to hold "
+                           "an input at its value)")
+            c.add_argument("--hardened", action="store_true",
+                           help="with --certify: certify nanpass.harden(model) (guarded ops count as safe)")
     return p
 
 
@@ -114,11 +125,56 @@ def _inputs(args) -> tuple[tuple, dict]:
     return tuple(torch.randn(s, generator=gen) for s in shapes), {}
 
 
+def _parse_ranges(texts: list[str] | None):
+    if not texts:
+        raise CliError("nanpass: --certify needs --ranges LO,HI (e.g. --ranges=-1,1), or --ranges finite")
+    specs = []
+    for text in texts:
+        if text in ("finite", "none"):
+            specs.append("finite" if text == "finite" else None)
+            continue
+        try:
+            lo, hi = (float(v) for v in text.split(","))
+        except ValueError:
+            raise CliError(f"nanpass: --ranges takes LO,HI (two numbers), 'finite' or 'none', got {text!r}") from None
+        specs.append((lo, hi))
+    if len(specs) == 1:
+        return specs[0] if specs[0] is not None else [None]
+    return specs
+
+
+def _certify(args, model, call_args) -> int:
+    import nanpass
+
+    ranges = _parse_ranges(args.ranges)
+    target = nanpass.harden(model) if args.hardened else model
+    try:
+        cert = nanpass.certify(target, *call_args, ranges=ranges)
+    except nanpass.NanpassError:
+        raise
+    except Exception as e:
+        raise CliError(f"nanpass: running the model raised {type(e).__name__}: {e}") from e
+    text = cert.to_json() + "\n" if args.format == "json" else str(cert).replace(os.getcwd() + os.sep, "") + "\n"
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0 if cert.proven else 1
+
+
 def _run(args) -> int:
     import nanpass
 
     model = _load_target(args.target)
     call_args, call_kwargs = _inputs(args)
+    if getattr(args, "certify", False):
+        if call_kwargs or not call_args:
+            raise CliError("nanpass: --certify needs positional inputs: --input-shape D,D,... or --inputs FILE.pt "
+                           "holding a tensor or a tuple")
+        return _certify(args, model, call_args)
+    if getattr(args, "ranges", None):
+        raise CliError("nanpass: --ranges is used with --certify")
     safe = nanpass.harden(model)
     if not (call_args or call_kwargs):
         raise CliError("nanpass: give the model's inputs with --input-shape (e.g. --input-shape 4,8) "

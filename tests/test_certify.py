@@ -345,3 +345,18 @@ def test_finite_range_and_per_element_bounds():
 def test_certify_rejects_non_module():
     with pytest.raises(nanpass.NanpassTypeError, match="nanpass: certify takes an nn.Module"):
         nanpass.certify(torch.log, torch.rand(2), ranges=(0, 1))
+
+
+def test_cli_certify_in_process(tmp_path, capsys):
+    from nanpass._cli import main
+
+    path = tmp_path / "m.py"
+    path.write_text("import torch\n\n\nclass Net(torch.nn.Module):\n    def forward(self, x):\n"
+                    "        return torch.log(x)\n")
+    assert main(["scan", f"{path}:Net", "--input-shape", "3", "--certify", "--ranges", "0.5,2"]) == 0
+    assert "PROVEN" in capsys.readouterr().out
+    assert main(["scan", f"{path}:Net", "--input-shape", "3", "--certify", "--ranges", "0,2"]) == 1
+    assert "unsafe" in capsys.readouterr().out
+    assert main(["scan", f"{path}:Net", "--input-shape", "3", "--certify", "--ranges", "0,2", "--hardened"]) == 0
+    assert main(["scan", f"{path}:Net", "--input-shape", "3", "--certify"]) == 2
+    assert "needs --ranges" in capsys.readouterr().err

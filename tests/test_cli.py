@@ -136,3 +136,32 @@ def test_scan_counts_one_op_in_the_singular(tmp_path):
     code, out, err = run("report", f"{src}:One", "--input-shape", "3")
     assert code == 0, err
     assert out.startswith("nanpass report: One\n1 unsafe op in 1 module: 1 log \u2014 1 guarded")
+
+
+CERTIFY_MODEL = """
+import torch
+
+
+class Safe(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(torch.relu(x) + 1)
+
+
+class Unsafe(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+"""
+
+
+def test_scan_certify_exit_codes(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(CERTIFY_MODEL)
+    code, out, err = run("scan", f"{path}:Safe", "--input-shape", "2,3", "--certify", "--ranges=-1,1")
+    assert code == 0 and "PROVEN" in out, err
+    code, out, err = run("scan", f"{path}:Unsafe", "--input-shape", "2,3", "--certify", "--ranges", "0,1")
+    assert code == 1 and "unsafe" in out and "log" in out and "fix: nanpass.harden" in out, err
+    code, out, err = run("scan", f"{path}:Unsafe", "--input-shape", "2,3", "--certify", "--ranges", "0,1",
+                         "--hardened", "--format", "json")
+    assert code == 0 and json.loads(out)["verdicts"][0]["verdict"] == "guarded", err
+    code, out, err = run("scan", f"{path}:Unsafe", "--input-shape", "2,3", "--certify", "--ranges", "0")
+    assert code == 2 and err.startswith("nanpass: --ranges takes LO,HI")
