@@ -458,8 +458,15 @@ def matmul_box(a: Box, b: Box, dtype: torch.dtype) -> Box:
     am, ar = (a.lo + a.hi) / 2, (a.hi - a.lo) / 2
     bm, br = (b.lo + b.hi) / 2, (b.hi - b.lo) / 2
     mid = am @ bm
-    rad = am.abs() @ br + ar @ bm.abs() + ar @ br
-    mag = torch.maximum(a.lo.abs(), a.hi.abs()) @ torch.maximum(b.lo.abs(), b.hi.abs())
+    a_point, b_point = not bool(ar.any()), not bool(br.any())  # weights are points: fewer products
+    rad = torch.zeros_like(mid)
+    if not b_point:
+        rad = rad + am.abs() @ br
+    if not a_point:
+        rad = rad + ar @ bm.abs()
+    if not (a_point or b_point):
+        rad = rad + ar @ br
+    mag = (am.abs() + ar) @ (bm.abs() + br)
     return widen(Box(mid - rad, mid + rad, _overflow_nan(mag, dtype)), dtype, k=2, n=n, mag=mag)
 
 
