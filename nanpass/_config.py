@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import difflib
-import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from ._constants import bounds
+from ._constants import bounds, memo
 from ._errors import ConfigError
 from ._rules import BY_NAME, GUARDED
 
@@ -81,11 +80,11 @@ class Config:
         }
 
 
-@functools.cache
+@memo
 def _consts_fn(op: str, overrides: tuple[tuple[str, float], ...]):
     defaults = BY_NAME[op].constants
 
-    @functools.cache
+    @memo
     def for_dtype(dtype: torch.dtype) -> dict[str, float]:
         b = bounds(dtype)
         values = {name: fn(b) for name, fn in defaults.items()}

@@ -15,6 +15,21 @@ from dataclasses import dataclass
 import torch
 
 
+def memo(fn: Callable) -> Callable:
+    """A cache as a plain dict: torch.compile traces a hit as a constant lookup, where it
+    warns on (and re-traces) functools caches."""
+    cache: dict = {}
+
+    @functools.wraps(fn)
+    def get(*key):
+        hit = cache.get(key, cache)
+        if hit is cache:
+            hit = cache[key] = fn(*key)
+        return hit
+
+    return get
+
+
 def _t(value: float, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64).to(dtype)
 
@@ -62,7 +77,7 @@ class Bounds:
 HEADROOM = 16  # max / sat
 
 
-@functools.cache
+@memo
 def bounds(dtype: torch.dtype) -> Bounds:
     fi = torch.finfo(dtype)
 
@@ -97,7 +112,7 @@ class PowDomain:
     away: float | None = None
 
 
-@functools.lru_cache(maxsize=1024)
+@memo
 def pow_domain(p: float, dtype: torch.dtype) -> PowDomain | None:
     """None when ``x ** p`` is finite with a finite gradient for every finite x."""
     fi = torch.finfo(dtype)
@@ -124,3 +139,7 @@ def pow_domain(p: float, dtype: torch.dtype) -> PowDomain | None:
     if integer:
         return PowDomain(lo=None, hi=None, away=m)
     return PowDomain(lo=m, hi=fi.max)
+
+
+for _dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    bounds(_dtype)  # computed here, not inside a compiled region (they read tensors back)

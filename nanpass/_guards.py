@@ -20,7 +20,6 @@ per-op overrides.
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 import numbers
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from ._compat import graph_task_id
-from ._constants import PowDomain, bounds, pow_domain
+from ._constants import PowDomain, bounds, memo, pow_domain
 
 Tensor = torch.Tensor
 
@@ -245,7 +244,7 @@ def overflowing(hi: str, own: str) -> Callable:
     return impl
 
 
-@functools.lru_cache(maxsize=256)
+@memo
 def _in_dtype(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(value, dtype=torch.float64).to(dtype))
 
@@ -425,7 +424,7 @@ def cosine_similarity(fn, args, kwargs, consts):
     return torch.clamp(finite(out), -1.0, 1.0)
 
 
-@functools.lru_cache(maxsize=64)
+@memo
 def _signature(kind: type | Callable) -> inspect.Signature:
     if isinstance(kind, type):
         return inspect.signature(kind.forward)

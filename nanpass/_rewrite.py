@@ -8,7 +8,6 @@ without a ``Change`` that says why.
 
 from __future__ import annotations
 
-import functools
 import time
 import weakref
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch.fx as fx
 from . import _stable
 from ._check import Site, check_input, checked, created_flag, first_flag
 from ._config import Config
+from ._constants import memo
 from ._errors import RewriteError
 from ._guards import COUNTER, fenced
 from ._rules import BY_NAME, Rule, Spelling, match
@@ -80,7 +80,7 @@ def counted(guard, counter: Counter):
     return count
 
 
-@functools.cache
+@memo
 def make_guard(rule: Rule, sp: Spelling, consts=None):
     """The function a rewritten node calls: the rule's guard bound to one spelling."""
     impl = rule.guard
