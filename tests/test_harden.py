@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -347,8 +348,14 @@ def test_compiled_modules_and_compiling_hardened_ones():
     # an fx-captured hardened model can itself be compiled: dynamo traces through the guards
     m = nn.Sequential(nn.Linear(4, 4), nn.LogSoftmax(-1))
     x = torch.full((2, 4), -inf, requires_grad=True)
-    outs, grads = forward_backward(torch.compile(nanpass.harden(m), backend="aot_eager"), (x,))
+    torch._dynamo.utils.counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs, grads = forward_backward(torch.compile(nanpass.harden(m), backend="aot_eager"), (x,))
     assert all_finite(outs + grads)
+    # the guards' constants are plain lookups: no lru_cache warning, no Tensor.item() break
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+    assert not [r for r in torch._dynamo.utils.counters["graph_break"] if "item()" in r]
 
     class Branchy(nn.Module):
         def forward(self, x):
