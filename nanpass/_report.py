@@ -187,9 +187,10 @@ class Report:
     ``to_text``, ``to_markdown`` and ``to_html`` show the same call in repeated layers as one row
     (``group=False``: a row per change); ``to_json`` keeps every change and adds the groups."""
 
-    def __init__(self, model: str, graphs: Iterable[GraphRecord]):
+    def __init__(self, model: str, graphs: Iterable[GraphRecord], certificate=None):
         self.model = model
         self.graphs = list(graphs)
+        self.certificate = certificate  # a nanpass.certify(...) result: its verdicts are shown too
 
     @property
     def changes(self) -> list[Change]:
@@ -239,6 +240,7 @@ class Report:
                 }
                 for i, g in enumerate(self.graphs)
             ],
+            **({"certificate": self.certificate.to_dict()} if self.certificate is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -278,6 +280,8 @@ class Report:
                 lines.append(f"  {len(g.asserts)} shape asserts:")
                 lines.extend(f"    {a.node:24} {a.shape_text():20} entering {a.entering}" for a in g.asserts)
             lines.append("")
+        if self.certificate is not None:
+            lines.append(str(self.certificate))
         return "\n".join(lines).rstrip() + "\n"
 
     def __str__(self) -> str:
@@ -320,6 +324,17 @@ class Report:
                 out.extend(f"| {_md_code(a.node)} | {_md_code(a.shape_text())} | {_md(a.entering)} "
                            f"| {_md(a.produced_by)} |" for a in g.asserts)
                 out.append("")
+        cert = self.certificate
+        if cert is not None:
+            out += ["## Certificate", "", f"**{_md(_verdict_line(cert))}**", "",
+                    "| verdict | op | module | source | operands -> result | gradient | why / fix |",
+                    "|---|---|---|---|---|---|---|"]
+            out += [f"| {_md(v.verdict)} | {_md(v.op)} | {_md(v.module or '<root>')} "
+                    f"| {_md_code(_rel(v.source)) if v.source else ''} "
+                    f"| {_md(v.operands)} -> {_md(v.result)} | {_md(v.grad)} "
+                    f"| {_md(v.reason + (' — fix: ' + v.guard if v.verdict == 'unsafe' and v.guard else ''))} |"
+                    for v in cert.verdicts]
+            out.append("")
         return "\n".join(out)
 
     # -- html ----------------------------------------------------------------------------------
@@ -393,6 +408,19 @@ class Report:
                 parts.append(_code_html("after", g.code, after, f"g{i}-after"))
                 parts.append("</div>")
             parts.append("</section>")
+        cert = self.certificate
+        if cert is not None:
+            parts.append(f'<section id="certificate"><h2>Certificate</h2><p class="summary">'
+                         f"{e(_verdict_line(cert))}</p>")
+            parts.append('<table class="changes"><thead><tr><th>verdict</th><th>op</th><th>module</th>'
+                         "<th>source</th><th>operands &rarr; result</th><th>why / fix</th></tr></thead><tbody>")
+            for v in cert.verdicts:
+                fix = f"<br>fix: {e(v.guard)}" if v.verdict == "unsafe" and v.guard else ""
+                grad = f"<br>gradient: {e(v.grad)}" if v.grad else ""
+                parts.append(f'<tr class="{e(v.verdict)}"><td>{e(v.verdict)}</td><td>{e(v.op)}</td>'
+                             f"<td>{e(v.module or '<root>')}</td><td><code>{e(_rel(v.source) or '')}</code></td>"
+                             f"<td>{e(v.operands)} &rarr; {e(v.result)}</td><td>{e(v.reason)}{grad}{fix}</td></tr>")
+            parts.append("</tbody></table></section>")
         parts.append("</body></html>")
         return "\n".join(parts) + "\n"
 
@@ -534,19 +562,31 @@ a.changed.guarded{background:#d9f2d9} a.changed.stable{background:#d9eef2} a.cha
 """
 
 
-def report(obj) -> Report:
+def _verdict_line(cert) -> str:
+    by = Counter(v.verdict for v in cert.verdicts)
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(by.items()))
+    head = "proven: no NaN or Inf for any input in the ranges" if cert.proven else "not proven"
+    return f"certificate: {head} ({counts or 'no unsafe op'})"
+
+
+def report(obj, certificate=None) -> Report:
     """The report of a hardened model, a ``nanpass.backend(...)``, or a model compiled with
-    ``backend="nanpass"`` that has run at least once."""
+    ``backend="nanpass"`` that has run at least once. ``certificate``: a ``nanpass.certify``
+    result to show with it (its verdict per op)."""
     from ._backend import Backend, graphs_of
+    from ._certify import Certificate
     from ._harden import Hardened
 
+    if certificate is not None and not isinstance(certificate, Certificate):
+        raise NanpassTypeError(f"nanpass: report(certificate=) takes a nanpass.certify(...) result, "
+                               f"got {type(certificate).__name__}")
     if isinstance(obj, Hardened):
         if not obj.graphs:
             raise ReportError("nanpass: nothing looked at yet: the hardened model finds its call "
                               "sites as it runs; call it once first")
-        return Report(type(obj.original).__name__, obj.graphs)
+        return Report(type(obj.original).__name__, obj.graphs, certificate)
     if isinstance(obj, Backend):
-        return Report("nanpass.backend", obj.graphs)
+        return Report("nanpass.backend", obj.graphs, certificate)
     if isinstance(obj, torch.nn.Module):
         model = getattr(obj, "_orig_mod", obj)
         graphs = graphs_of(model)
@@ -556,7 +596,7 @@ def report(obj) -> Report:
                 'run torch.compile(model, backend="nanpass") once first (for a model without '
                 "parameters, pass backend=nanpass.backend() and report that object)"
             )
-        return Report(type(model).__name__, graphs)
+        return Report(type(model).__name__, graphs, certificate)
     raise NanpassTypeError(
         f"nanpass: report() takes a hardened model, a compiled model or a nanpass.backend(), "
         f"got {type(obj).__name__}"

@@ -458,3 +458,31 @@ def test_llama_html_fits_1280_px_in_a_real_browser(tmp_path, llama):
         # no horizontal scroll: the page is no wider than the viewport less its vertical scrollbar
         assert inner == 1280 and scroll <= client <= 1280, (group, scroll, client)
         assert shown == rows and members == (5 * LAYERS if group else 0)
+
+
+def test_a_certificate_shows_its_verdict_per_op():
+    """nanpass.report(model, certificate=nanpass.certify(...)): the verdicts in every format."""
+    class LogModel(torch.nn.Module):
+        def forward(self, x):
+            return torch.log(x).sum() + torch.sqrt(x + 1).sum()
+
+    x = torch.rand(2, 3)
+    safe = nanpass.harden(LogModel())
+    safe(x)
+    unsafe_cert = nanpass.certify(LogModel(), x, ranges=(0, 1))  # log at 0: unsafe, unguarded
+    cert = nanpass.certify(safe, x, ranges=(0, 1))
+    assert not unsafe_cert.proven and cert.proven
+    r = nanpass.report(safe, certificate=unsafe_cert)
+    text = r.to_text(color=False)
+    assert "NOT PROVEN" in text
+    assert "unsafe" in text and "log" in text
+    md = r.to_markdown()
+    assert "## Certificate" in md and "| unsafe | log |" in md and "fix: operand clamped" in md
+    page = r.to_html()
+    assert '<section id="certificate">' in page and "fix: operand clamped" in page
+    d = json.loads(nanpass.report(safe, certificate=cert).to_json())
+    assert d["certificate"]["proven"] is True
+    assert {v["verdict"] for v in d["certificate"]["verdicts"] if v["op"] == "log"} == {"guarded"}
+    assert "certificate" not in json.loads(nanpass.report(safe).to_json())
+    with pytest.raises(nanpass.NanpassTypeError, match="^nanpass: report\\(certificate=\\)"):
+        nanpass.report(safe, certificate="proven")
