@@ -22,10 +22,10 @@ def memo(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def get(*key):
-        hit = cache.get(key, cache)
-        if hit is cache:
-            hit = cache[key] = fn(*key)
-        return hit
+        if key in cache:  # dynamo folds a membership test and a lookup to constants
+            return cache[key]
+        value = cache[key] = fn(*key)
+        return value
 
     return get
 

@@ -96,12 +96,13 @@ class _Probe(_Identity):
     @staticmethod
     def backward(ctx, grad):
         st = ctx.state
-        task = None if torch.compiler.is_compiling() else graph_task_id()
-        if st.task is not None and task != st.task:
-            return grad, None  # a later pass (a double backward): the first pass's verdict holds
+        if not torch.compiler.is_compiling():  # compiled: traced once, as written below
+            task = graph_task_id()
+            if st.task is not None and task != st.task:
+                return grad, None  # a later pass (a double backward): the first pass's verdict holds
+            st.task = task
         ok = torch.isfinite(grad).all()
         st.ok = ok if st.ok is None else st.ok & ok
-        st.task = task
         return grad, None
 
 
@@ -134,6 +135,11 @@ class _Finite(torch.autograd.Function):
         return grad
 
 
+# dynamo must not inline the fence and the probe: it would trace each backward on its own, at
+# forward time, before the probe has seen a gradient, and bake "no verdict yet" into the fence.
+# Run eagerly (a graph break under torch.compile(harden(model))), they talk to each other in
+# autograd's order; the backend path is traced by aot_autograd, which keeps that order.
+@torch.compiler.disable
 def finite_grad(x):
     """Identity whose backward replaces a non-finite gradient by 0, unless the gradient that
     reached the running guard's result was already non-finite (then it passes unchanged)."""
@@ -156,6 +162,7 @@ def _each(out, f):
     return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
 
 
+@torch.compiler.disable
 def _probe(x, state: Upstream):
     return _Probe.apply(x, state) if isinstance(x, Tensor) and x.requires_grad else x
 
