@@ -375,17 +375,21 @@ def batch_norm(fn, args, kwargs, consts):
     buffer is untouched. Training in float32/bfloat16/float64 runs as written."""
     if fn is not _F_BATCH_NORM:  # torch.batch_norm, native_batch_norm: internals, any dtype
         return finite_call(fn, args, kwargs, consts)
-    bound = _signature(fn).bind(*args, **kwargs)
-    x = bound.arguments["input"]
+    # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps),
+    # read by position first: this runs on every normalisation of a CNN
+    x = args[0] if args else kwargs["input"]
     if x.dtype == torch.float16:
         return finite_call(fn, args, kwargs, consts)
-    var = bound.arguments.get("running_var")
-    if bound.arguments.get("training", False) or not isinstance(var, Tensor):
+    training = args[5] if len(args) > 5 else kwargs.get("training", False)
+    var = args[2] if len(args) > 2 else kwargs.get("running_var")
+    if training or not isinstance(var, Tensor):
         return fn(*args, **kwargs)
     neg = var < 0
     _count(neg)
-    bound.arguments["running_var"] = torch.where(neg, 0.0, var)
-    return fn(*bound.args, **bound.kwargs)
+    var = torch.where(neg, 0.0, var)
+    if len(args) > 2:
+        return fn(*args[:2], var, *args[3:], **kwargs)
+    return fn(*args, **{**kwargs, "running_var": var})
 
 
 _F_BATCH_NORM = torch.nn.functional.batch_norm
