@@ -218,17 +218,16 @@ def _unary(args, kwargs):
 # -- elementwise ops with a closed safe domain ----------------------------------------------
 
 
-def clamped(lo: str | None, hi: str | None, fence: bool = True) -> Callable:
-    """fn(clamp(x, lo, hi)) with a finite-gradient fence between clamp and fn. ``fence=False``
-    where every derivative of the op is finite on the clamped domain (exp's is exp itself, at
-    most max there): no fence, no probe, nothing but the clamp."""
+def clamped(lo: str | None, hi: str | None) -> Callable:
+    """fn(clamp(x, lo, hi)) with a finite-gradient fence between clamp and fn (the exp family,
+    whose derivatives are finite on the clamped domain, needs none: ``overflowing``)."""
 
     def impl(fn, args, kwargs, consts):
         x, rest, kw = _unary(args, kwargs)
         c = consts(x.dtype)
         xs = torch.clamp(x, c[lo] if lo else None, c[hi] if hi else None)
         _count(xs != x)
-        return fn(finite_grad(xs) if fence else xs, *rest, **kw)
+        return fn(finite_grad(xs), *rest, **kw)
 
     return impl
 
