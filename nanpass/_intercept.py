@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from . import _compat  # noqa: F401  (checkpoint recomputes under the guards)
 from ._check import Site, checked
 from ._config import Config
-from ._rewrite import Change, counted, make_guard
+from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
 from ._rules import CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
 
@@ -127,8 +127,8 @@ class Sites:
             args = (args[1], args[0], *args[2:])
         if rule.only_dtypes and not _any_dtype(args, rule.only_dtypes):
             return sp.call(*args, **kwargs)  # not unsafe in this dtype: not looked at
-        if torch.compiler.is_compiling():  # no frames to walk in a traced region
-            return self._run_for(None, rule, sp, None, None, args, kwargs)
+        if torch.compiler.is_compiling():  # no frames to walk, no site dict to read
+            return self._traced(rule, sp, args, kwargs)
         module, frame = self._where(3)
         key = (rule.name, sp.name, id(module), frame.f_code if frame else None,
                frame.f_lasti if frame else None)
@@ -155,6 +155,24 @@ class Sites:
                 counter = self._sampled[key] = Counter(change or self._change_of(key))
             return counted(run, counter)(*args, **kwargs)  # a sampled call only: 1 in `watch`
         return run(*args, **kwargs)
+
+    def _traced(self, rule: Rule, sp: Spelling, args, kwargs):
+        """Under dynamo: the guard built afresh from the rule and the config alone, so a
+        traced region reads no per-site state (dynamo would guard on it, and recompile or fail
+        on the code objects in its keys). The report of a compiled hardened model comes from
+        the eager calls or from the backend."""
+        action = self._decision(rule, None)[0]
+        if action == "left":
+            return sp.call(*args, **kwargs)
+        if rule.safe_if is not None and rule.safe_if(args, kwargs) is not None:
+            return sp.call(*args, **kwargs)
+        if not _float_operand(args, kwargs):
+            return sp.call(*args, **kwargs)
+        if action == "checked":
+            site = Site(rule.name, sp.name, "", "", None, None)
+            return make_checker(rule, sp, site, self.config.mode == "warn")(*args, **kwargs)
+        cfg = self.config
+        return guard_fn(rule, sp, cfg.consts(rule.name) if rule.constants else None)(*args, **kwargs)
 
     def _change_of(self, key) -> Change | None:
         return self._changes_by_key.get(key)
@@ -284,6 +302,10 @@ class GuardMode(TorchFunctionMode):
 
 def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
     """``fn(*args, **kwargs)`` with the rule table's calls guarded, unless already so."""
+    if torch.compiler.is_compiling():
+        # traced by dynamo: the mode is inlined into the graph; no ContextVar, no counters
+        with GuardMode(sites):
+            return fn(*args, **kwargs)
     mode = ACTIVE.get()
     if mode is not None and mode.sites is sites:
         return fn(*args, **kwargs)

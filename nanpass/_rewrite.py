@@ -83,6 +83,17 @@ def counted(guard, counter: Counter):
 @memo
 def make_guard(rule: Rule, sp: Spelling, consts=None):
     """The function a rewritten node calls: the rule's guard bound to one spelling."""
+    guard = guard_fn(rule, sp, consts)
+    guard.__name__ = guard.__qualname__ = f"guard_{rule.name}"
+    guard.__module__ = "nanpass"
+    guard.__doc__ = f"nanpass guard for {sp.name}: {rule.action}"
+    return guard
+
+
+def guard_fn(rule: Rule, sp: Spelling, consts=None):
+    """``make_guard`` without its cache and names: what a region dynamo traces builds afresh
+    (a cache keyed on rules, or a function's ``__name__`` set, is Python state dynamo cannot
+    trace)."""
     impl = rule.guard
     consts = consts or _no_consts
     if sp.kind == "module":
@@ -92,7 +103,8 @@ def make_guard(rule: Rule, sp: Spelling, consts=None):
                 return module(*args, **kwargs)
             return fenced(impl, module, args, kwargs, consts)
 
-    elif sp.inplace:
+        return guard
+    if sp.inplace:
         written, plain = sp.call, sp.outplace
 
         def guard(*args, **kwargs):
@@ -102,20 +114,17 @@ def make_guard(rule: Rule, sp: Spelling, consts=None):
             operand = (args[0].clone(), *args[1:])
             return args[0].copy_(fenced(impl, plain, operand, kwargs, consts))
 
-    else:
-        fn = sp.call
+        return guard
+    fn = sp.call
 
-        def guard(*args, **kwargs):
-            if not _has_float(args, kwargs):
-                return fn(*args, **kwargs)
-            if kwargs.get("out") is not None:  # torch.log(x, out=y): guard, then write y
-                out = kwargs.pop("out")
-                return out.copy_(fenced(impl, fn, args, kwargs, consts))
-            return fenced(impl, fn, args, kwargs, consts)
+    def guard(*args, **kwargs):
+        if not _has_float(args, kwargs):
+            return fn(*args, **kwargs)
+        if kwargs.get("out") is not None:  # torch.log(x, out=y): guard, then write y
+            out = kwargs.pop("out")
+            return out.copy_(fenced(impl, fn, args, kwargs, consts))
+        return fenced(impl, fn, args, kwargs, consts)
 
-    guard.__name__ = guard.__qualname__ = f"guard_{rule.name}"
-    guard.__module__ = "nanpass"
-    guard.__doc__ = f"nanpass guard for {sp.name}: {rule.action}"
     return guard
 
 

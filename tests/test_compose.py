@@ -1,0 +1,187 @@
+"""Composability: a hardened model is a model to every PyTorch tool (issue 18).
+
+In-place writes on a guard's result, ``torch.compile(nanpass.harden(model))`` with no graph
+break the plain model lacks, ``torch.func`` transforms, and frameworks that take the hardened
+model as the model. Each case compares against the plain model, which must work first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nanpass
+from nanpass._rules import RULES
+from tests.helpers import bits
+
+# -- in-place writes on a guard's result -----------------------------------------------------
+
+# what users write after an op: residual +=, masking after a division, renormalising a router
+INPLACE = {
+    "+=": lambda y: y.__iadd__(1.0),
+    "-=": lambda y: y.__isub__(0.5),
+    "*=": lambda y: y.__imul__(2.0),
+    "/=": lambda y: y.__itruediv__(4.0),
+    "y[mask] = 0": lambda y: y.__setitem__(y.detach().abs() > 1, 0.0),
+    "masked_fill_": lambda y: y.masked_fill_(y.detach() < -1, 0.0),
+    "clamp_": lambda y: y.clamp_(-10.0, 10.0),
+    "copy_": lambda y: y.copy_(y.detach() * 0.5 + y),
+    "zero_ on a slice": lambda y: y.reshape(-1)[:1].zero_(),
+}
+
+
+def _function_spelling(rule):
+    return next((s for s in rule.spellings() if s.kind == "function"), None)
+
+
+def _op(rule):
+    """The op as a user calls it: the function spelling, or a module built from the sample."""
+    if rule.name == "multi_head_attention":
+        sp = next(s for s in rule.spellings() if s.kind == "module")
+        torch.manual_seed(0)
+        return sp.target(*rule.sample.ctor[sp.name])
+    return _function_spelling(rule).call
+
+
+# every guarded rule with a function spelling and a float32 sample
+INPLACE_RULES = [r for r in RULES if r.guarded and r.sample is not None and _function_spelling(r)
+                 and torch.float32 in r.sample.dtypes and r.name not in ("mha_fast_path",
+                                                                         "encoder_layer_fast_path")]
+
+
+class _OpThenWrite(torch.nn.Module):
+    """Calls one op as the user spells it, writes into its result in place, returns a loss."""
+
+    def __init__(self, call, write):
+        super().__init__()
+        self.op, self.write = call, write
+
+    def forward(self, *args, **kwargs):
+        out = self.op(*args, **kwargs)
+        y = next(o for o in (out if isinstance(out, tuple) else (out,))
+                 if isinstance(o, torch.Tensor) and o.is_floating_point())
+        self.write(y)
+        return y.float().sum()
+
+
+def _train(model, rule, dtype=torch.float32):
+    """(loss, grads) of one step on the rule's good operands; None where the model raises."""
+    args, kwargs = rule.sample.good(dtype)
+    leaves = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
+    torch.manual_seed(0)
+    try:
+        loss = model(*args, **kwargs)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    except RuntimeError:
+        return None
+    return loss, [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)]
+
+
+def _same(got, want, exact=True):
+    assert got is not None, "the plain model trains; the hardened one raised"
+    for a, b in zip([got[0], *got[1]], [want[0], *want[1]], strict=True):
+        if exact:
+            assert torch.equal(bits(a.detach()), bits(b.detach())), f"{a} != {b}"
+        else:
+            torch.testing.assert_close(a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rule=st.sampled_from(INPLACE_RULES), write=st.sampled_from(sorted(INPLACE)))
+def test_inplace_writes_on_a_guards_result_train_as_in_the_plain_model(rule, write):
+    """Hypothesis draws the rule and the in-place write: wherever the plain model trains (an op
+    whose backward saves its result refuses an in-place write there too), the hardened model
+    trains with the same loss and gradients, bit for bit."""
+    model = _OpThenWrite(_op(rule), INPLACE[write])
+    want = _train(model, rule)
+    if want is None:
+        return
+    _same(_train(nanpass.harden(model), rule), want)
+
+
+@pytest.mark.parametrize("write", ["+=", "y[mask] = 0"])
+@pytest.mark.parametrize("rule", INPLACE_RULES, ids=[r.name for r in INPLACE_RULES])
+def test_every_rule_takes_an_inplace_write(rule, write):
+    model = _OpThenWrite(_op(rule), INPLACE[write])
+    want = _train(model, rule)
+    if want is None:
+        pytest.skip(f"the plain model refuses {write} after {rule.name}")
+    _same(_train(nanpass.harden(model), rule), want)
+
+
+@pytest.mark.parametrize("write", sorted(INPLACE))
+@pytest.mark.parametrize("name", ["div", "log", "cross_entropy", "xlogy"])
+def test_inplace_writes_under_the_backend(name, write):
+    rule = next(r for r in RULES if r.name == name)
+    model = _OpThenWrite(_op(rule), INPLACE[write])
+    want = _train(model, rule)
+    if want is None:
+        pytest.skip(f"the plain model refuses {write} after {name}")
+    compiled = torch.compile(model, backend=nanpass.backend(inner="aot_eager"))
+    _same(_train(compiled, rule), want, exact=False)
+
+
+def _mape(a, b):
+    """darts' MAPE with its own NaN handling: the division, then NaN set to 0 in place."""
+    result = (a - b).abs() / b.abs()
+    result[result != result] = 0
+    return result.mean()
+
+
+def _angle(x, y):
+    """e3nn-style: the cosine of two normalised vectors clamped in place before acos."""
+    c = (torch.nn.functional.normalize(x, dim=-1) * torch.nn.functional.normalize(y, dim=-1)).sum(-1)
+    c.masked_fill_(c < -1, -1)
+    return torch.acos(c.clamp(max=1)).sum()
+
+
+@pytest.mark.parametrize("fn", [_mape, _angle], ids=["darts-mape", "e3nn-angle"])
+@pytest.mark.parametrize("how", ["harden", "backend"])
+def test_user_nan_handling_in_place_keeps_working(fn, how):
+    class Loss(torch.nn.Module):
+        def forward(self, a, b):
+            return fn(a, b)
+
+    def run(model):
+        torch.manual_seed(0)
+        a = torch.randn(4, 3, requires_grad=True)
+        b = torch.randn(4, 3, requires_grad=True)
+        loss = model(a, b)
+        return loss, list(torch.autograd.grad(loss, (a, b)))
+
+    want = run(Loss())
+    model = nanpass.harden(Loss()) if how == "harden" else torch.compile(
+        Loss(), backend=nanpass.backend(inner="aot_eager"))
+    _same(run(model), want, exact=how == "harden")
+
+
+class _Router(torch.nn.Module):
+    """Mixtral's top-k router: softmax, top-k, renormalise in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        weights = torch.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, 2, dim=-1)
+        weights /= weights.sum(dim=-1, keepdim=True)
+        return (weights * chosen.float()).sum()
+
+
+@pytest.mark.parametrize("how", ["harden", "backend"])
+def test_mixtral_router_renormalised_in_place(how):
+    def run(model, params):
+        torch.manual_seed(1)
+        x = torch.randn(6, 8)
+        loss = model(x)
+        return loss, list(torch.autograd.grad(loss, params))
+
+    torch.manual_seed(0)
+    plain = _Router()
+    want = run(plain, list(plain.parameters()))
+    model = nanpass.harden(plain) if how == "harden" else torch.compile(
+        plain, backend=nanpass.backend(inner="aot_eager"))
+    _same(run(model, list(plain.parameters())), want, exact=how == "harden")
