@@ -86,6 +86,58 @@ def _patch_fast_path_check() -> None:
     has_torch_function.__doc__ = original.__doc__
     ov.has_torch_function = has_torch_function
     ov._nanpass_patched = True
+    _after_import("torch._dynamo.variables.torch", _teach_dynamo)
+
+
+def _teach_dynamo(module) -> None:
+    """Dynamo answers ``has_torch_function`` itself, from a table keyed by the function object
+    it found in ``torch.overrides`` when it built the table. Modules that imported the C
+    function by name (``torch._tensor``'s reflected operators: ``1 - x``) call the other object:
+    without both keys, dynamo graph-breaks there whenever a TorchFunctionMode is traced."""
+    import torch.overrides as ov
+
+    cls = module.TorchInGraphFunctionVariable
+    build = cls._get_handlers
+
+    def handlers():
+        table = build()
+        for key in (torch._C._has_torch_function, ov.has_torch_function):
+            if key not in table:
+                table[key] = table.get(torch._C._has_torch_function) or table[ov.has_torch_function]
+        return table
+
+    cls._get_handlers = staticmethod(handlers)
+
+
+def _after_import(name: str, patch) -> None:
+    """``patch(module)`` once ``name`` is imported (now, if it is already): dynamo is imported
+    lazily by the first ``torch.compile``, and importing it here would cost seconds."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
 
 
 def graph_task_id() -> int | None:

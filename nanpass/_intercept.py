@@ -29,7 +29,7 @@ from . import _compat  # noqa: F401  (checkpoint recomputes under the guards)
 from ._check import Site, checked
 from ._config import Config
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
-from ._rules import CALLS, Rule, Spelling
+from ._rules import CALLS, CALLS_BY_NAME, Rule, Spelling, call_name
 from ._stats import Counter, GuardWarning
 
 Tensor = torch.Tensor
@@ -286,10 +286,13 @@ class GuardMode(TorchFunctionMode):
         self.sites = sites
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
-        try:
-            hit = CALLS.get(func)
-        except TypeError:  # an unhashable callable
-            hit = None
+        if torch.compiler.is_compiling():
+            hit = CALLS_BY_NAME.get(call_name(func))
+        else:
+            try:
+                hit = CALLS.get(func)
+            except TypeError:  # an unhashable callable
+                hit = None
         if hit is not None:
             rule = hit[0]
             if rule.only_dtypes and not hit[2] and not _any_dtype(args, rule.only_dtypes):

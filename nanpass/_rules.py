@@ -865,6 +865,18 @@ def _call_index() -> dict:
 
 
 CALLS: dict = _call_index()
+
+
+def call_name(fn) -> tuple:
+    """A callable named by strings (module, qualified name, defining class). Dynamo traces a
+    lookup by these as constants; a lookup keyed on the function object itself can confuse it
+    (a wrapped reflected operator such as ``Tensor.__floordiv__`` fails its own guard)."""
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None),
+            getattr(getattr(fn, "__objclass__", None), "__name__", None))
+
+
+CALLS_BY_NAME: dict = {call_name(fn): hit for fn, hit in CALLS.items()}
+assert len(CALLS_BY_NAME) == len(CALLS), "two guarded callables share a name"
 _BY_TARGET, _BY_MODULE = _index()
 
 

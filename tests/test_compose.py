@@ -185,3 +185,71 @@ def test_mixtral_router_renormalised_in_place(how):
     model = nanpass.harden(plain) if how == "harden" else torch.compile(
         plain, backend=nanpass.backend(inner="aot_eager"))
     _same(run(model, list(plain.parameters())), want, exact=how == "harden")
+
+
+# -- torch.compile(nanpass.harden(model)) ---------------------------------------------------
+
+class _Unsafe(torch.nn.Module):
+    """A guarded op whose result is written in place, and a NaN the plain model makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = torch.log(h.abs() * 0)  # -inf
+        y += 1.0
+        z = y / h.sum(-1, keepdim=True)  # +-inf
+        z[z.abs() < 1e-3] = 0
+        return torch.softmax(z, -1).sqrt().sum()  # the plain model's loss is NaN
+
+
+def _step(model, params, x):
+    loss = model(x)
+    return loss, torch.autograd.grad(loss, params)
+
+
+def test_compiled_hardened_model_is_one_graph_and_finite():
+    """fullgraph=True, after eager calls (validate, then compile), two hardened models in one
+    process: each compiled call is finite where the plain model is NaN, and matches eager."""
+    torch.manual_seed(0)
+    plain, other = _Unsafe(), _Unsafe()
+    x = torch.randn(3, 4)
+    assert not torch.isfinite(plain(x))
+    safe, safe2 = nanpass.harden(plain), nanpass.harden(other)
+    eager = _step(safe, list(plain.parameters()), x)  # eager first
+    _step(safe2, list(other.parameters()), x)
+    compiled = torch.compile(safe, backend="aot_eager", fullgraph=True)
+    compiled2 = torch.compile(safe2, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        got = _step(compiled, list(plain.parameters()), x)
+        _step(compiled2, list(other.parameters()), x)
+    assert all(torch.isfinite(t).all() for t in (got[0], *got[1]))
+    for a, b in zip((got[0], *got[1]), (eager[0], *eager[1]), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def _explain(model, batch):
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(model)(**batch)
+    return out.graph_count, out.graph_break_count
+
+
+@pytest.mark.parametrize("name", [
+    "gpt2", *[pytest.param(n, marks=pytest.mark.slow) for n in ("llama", "bert", "t5", "mixtral", "vit")]])
+def test_compiling_a_hardened_hf_model_adds_no_graph_break(name):
+    """torch._dynamo.explain counts are those of the plain model, and the compiled hardened
+    training step matches the plain one."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import build
+
+    model, batch = build(name)
+    assert _explain(nanpass.harden(model), batch) == _explain(model, batch)
+    torch._dynamo.reset()
+    model.eval()  # no dropout: eager and compiled draw different masks
+    want = model(**batch).loss
+    got = torch.compile(nanpass.harden(model), backend="aot_eager")(**batch).loss
+    torch.testing.assert_close(got, want)
+    got.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
