@@ -89,6 +89,15 @@ class _Fence(torch.autograd.Function):
         return torch.where(token_grad == 0, _zero_nonfinite(grad), grad)
 
 
+class _FenceJvp(_Fence):
+    """Eager: with forward mode (jacfwd, hessian). Dynamo refuses a custom ``jvp``, so a
+    traced region takes ``_Fence``."""
+
+    @staticmethod
+    def jvp(ctx, tangent):  # the identity's tangent
+        return tangent.view_as(tangent), torch.zeros((), dtype=tangent.dtype, device=tangent.device)
+
+
 class _Finite(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -105,6 +114,12 @@ class _Finite(torch.autograd.Function):
         # straight through: nothing saved, no backward kernel; the guarded op's own
         # gradient is finite at +-max, and a fence sits before any op whose is not
         return grad
+
+
+class _FiniteJvp(_Finite):
+    @staticmethod
+    def jvp(ctx, tangent):
+        return tangent
 
 
 def _tie(y, token: Tensor):
@@ -131,7 +146,7 @@ class Fences:
 
     def __call__(self, x):
         if isinstance(x, Tensor) and x.requires_grad and x.is_floating_point():
-            x, token = _Fence.apply(x)
+            x, token = (_Fence if torch.compiler.is_compiling() else _FenceJvp).apply(x)
             self.tokens.append(token)
         return x
 
@@ -169,7 +184,9 @@ def finite(x):
     if not isinstance(x, Tensor) or not x.is_floating_point():
         return x
     _count(lambda: ~torch.isfinite(x))
-    return _Finite.apply(x) if x.requires_grad else _saturate(x)
+    if not x.requires_grad:
+        return _saturate(x)
+    return (_Finite if torch.compiler.is_compiling() else _FiniteJvp).apply(x)
 
 
 def finite_all(out):

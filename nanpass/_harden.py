@@ -42,10 +42,13 @@ class Hardened(torch.nn.Module):
         d["_nanpass_inputs"] = None
         if shapes is not None:
             d["_nanpass_inputs"] = InputShapes(inspect.signature(model.forward), *shapes)
+        d["forward"] = _signed(self, model)
 
     def forward(self, *args, **kwargs):
         model = self._nanpass_model
         config = self._nanpass_config
+        if torch.jit.is_tracing():
+            raise _torchscript("torch.jit.trace")
         if config.mode == "off":
             return model(*args, **kwargs)
         if self._nanpass_inputs is not None:
@@ -105,6 +108,9 @@ class Hardened(torch.nn.Module):
         else:
             delattr(model, name)
 
+    def __prepare_scriptable__(self):
+        raise _torchscript("torch.jit.script")
+
     def __reduce__(self):
         return (_rebuild, (self._nanpass_model, self._nanpass_config, self._nanpass_shapes))
 
@@ -162,6 +168,29 @@ class Hardened(torch.nn.Module):
         if not self._nanpass_sites.calls:
             return "nothing looked at yet: the call sites are found on the first call"
         return summary(self.changes)
+
+
+def _torchscript(how: str) -> NanpassTypeError:
+    return NanpassTypeError(
+        f"nanpass: {how} cannot keep the guards (they are Python that runs around each unsafe "
+        "call, and TorchScript records only the ops of one run or compiles a Python subset); "
+        "use torch.export.export(nanpass.harden(model), args), which keeps them, with dynamic "
+        "shapes and AOTInductor too (docs/deploy.md)")
+
+
+def _signed(hardened: Hardened, model: torch.nn.Module):
+    """``hardened.forward`` with the model's own signature: what frameworks read to pick their
+    inputs (the Trainer's column filter, ``torch.export``'s ``dynamic_shapes``)."""
+
+    def forward(*args, **kwargs):
+        return Hardened.forward(hardened, *args, **kwargs)
+
+    try:
+        forward.__signature__ = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # pragma: no cover - a forward with no readable signature
+        pass
+    forward.__doc__ = getattr(model.forward, "__doc__", None)
+    return forward
 
 
 def _rebuild(model, config, shapes):

@@ -19,6 +19,7 @@ import linecache
 import os
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ from . import _compat  # noqa: F401  (checkpoint recomputes under the guards)
 from ._check import Site, checked
 from ._config import Config
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
-from ._rules import CALLS, CALLS_BY_NAME, Rule, Spelling, call_name
+from ._rules import CALLS, PY_CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
 
 Tensor = torch.Tensor
@@ -286,8 +287,12 @@ class GuardMode(TorchFunctionMode):
         self.sites = sites
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
-        if torch.compiler.is_compiling():
-            hit = CALLS_BY_NAME.get(call_name(func))
+        if torch.compiler.is_compiling() and isinstance(func, types.FunctionType):
+            hit = None
+            for fn, h in PY_CALLS:
+                if fn is func:
+                    hit = h
+                    break
         else:
             try:
                 hit = CALLS.get(func)

@@ -5,6 +5,7 @@ op is one ``Rule`` (plus, where needed, one guard in ``_guards.py``).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -867,16 +868,10 @@ def _call_index() -> dict:
 CALLS: dict = _call_index()
 
 
-def call_name(fn) -> tuple:
-    """A callable named by strings (module, qualified name, defining class). Dynamo traces a
-    lookup by these as constants; a lookup keyed on the function object itself can confuse it
-    (a wrapped reflected operator such as ``Tensor.__floordiv__`` fails its own guard)."""
-    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None),
-            getattr(getattr(fn, "__objclass__", None), "__name__", None))
-
-
-CALLS_BY_NAME: dict = {call_name(fn): hit for fn, hit in CALLS.items()}
-assert len(CALLS_BY_NAME) == len(CALLS), "two guarded callables share a name"
+# the table's callables written in Python (F.softmax, Tensor.__rdiv__, ...), for a lookup by
+# identity under dynamo: a dict lookup keyed on one of torch._tensor's wrapped reflected
+# operators (Tensor.__floordiv__) fails dynamo's own guard, and reading its name is not constant
+PY_CALLS: tuple = tuple((fn, hit) for fn, hit in CALLS.items() if isinstance(fn, types.FunctionType))
 _BY_TARGET, _BY_MODULE = _index()
 
 

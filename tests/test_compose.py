@@ -253,3 +253,116 @@ def test_compiling_a_hardened_hf_model_adds_no_graph_break(name):
     torch.testing.assert_close(got, want)
     got.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# -- torch.func -------------------------------------------------------------------------------
+
+class _PerSample(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.log(h.abs()).sum() + torch.sqrt(h.pow(2).sum())
+
+
+def _per_sample_grads(model, params, xs):
+    from torch.func import functional_call, grad, vmap
+
+    def loss(p, x):
+        return functional_call(model, p, (x.unsqueeze(0),))
+
+    return vmap(grad(loss), in_dims=(None, 0))(params, xs)
+
+
+def test_vmap_grad_per_sample_gradients():
+    """Per-sample gradients (DP-SGD, influence functions): equal to the plain model's on safe
+    samples; a bad sample's gradient is finite and leaves the others' unchanged."""
+    torch.manual_seed(0)
+    plain = _PerSample()
+    safe = nanpass.harden(plain)
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    xs = torch.randn(4, 3)
+    want, got = _per_sample_grads(plain, params, xs), _per_sample_grads(safe, params, xs)
+    assert all(torch.equal(bits(got[k]), bits(want[k])) for k in want)
+    params["lin.bias"] = torch.zeros(3)
+    xs[1] = 0  # h = 0: log(0), and sqrt at 0
+    want, got = _per_sample_grads(plain, params, xs), _per_sample_grads(safe, params, xs)
+    assert not all(torch.isfinite(want[k][1]).all() for k in want)
+    for k in want:
+        assert torch.isfinite(got[k]).all()
+        assert torch.equal(bits(got[k][[0, 2, 3]]), bits(want[k][[0, 2, 3]]))
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian", "vmap"])
+def test_func_transforms_of_the_forward(transform):
+    import torch.func as func
+
+    torch.manual_seed(0)
+    plain = _PerSample()
+    safe = nanpass.harden(plain)
+    x = torch.randn(3)
+    if transform == "vmap":
+        xs = torch.randn(4, 1, 3)
+        torch.testing.assert_close(func.vmap(safe)(xs), func.vmap(plain)(xs))
+        return
+    t = getattr(func, transform)
+    torch.testing.assert_close(t(safe)(x), t(plain)(x))
+
+
+# -- torch.export, AOTInductor, TorchScript --------------------------------------------------
+
+class _Deploy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.log(h.abs()) / h.sum(-1, keepdim=True)
+
+
+def _deploy_case():
+    torch.manual_seed(0)
+    plain = _Deploy()
+    with torch.no_grad():
+        plain.lin.bias.zero_()
+    bad = torch.zeros(3, 7, 4)  # another batch and length than the example: h = 0
+    assert not torch.isfinite(plain(bad)).all()
+    return plain, torch.randn(2, 5, 4), bad
+
+
+def _dims():
+    batch = torch.export.Dim("batch", min=1, max=64)
+    seq = torch.export.Dim("seq", min=1, max=64)
+    return ({0: batch, 1: seq},)
+
+
+@pytest.mark.parametrize("strict", [False], ids=["non-strict"])
+def test_export_with_dynamic_shapes_keeps_the_guards(strict):
+    plain, x, bad = _deploy_case()
+    ep = torch.export.export(nanpass.harden(plain), (x,), dynamic_shapes=_dims(), strict=strict)
+    assert torch.isfinite(ep.module()(bad)).all()
+    torch.testing.assert_close(ep.module()(x), plain(x))
+    decomposed = ep.run_decompositions()
+    assert torch.isfinite(decomposed.module()(bad)).all()
+
+
+@pytest.mark.slow
+def test_aot_inductor_package_of_a_hardened_model(tmp_path):
+    """harden, export, ship: the .pt2 loads and runs finite where the plain export is not."""
+    plain, x, bad = _deploy_case()
+    ep = torch.export.export(nanpass.harden(plain), (x,), dynamic_shapes=_dims())
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "model.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    assert torch.isfinite(loaded(bad)).all()
+    torch.testing.assert_close(loaded(x), plain(x))
+
+
+@pytest.mark.parametrize("how", ["trace", "script"])
+def test_torchscript_says_to_use_export(how):
+    plain, x, _ = _deploy_case()
+    safe = nanpass.harden(plain)
+    with pytest.raises(nanpass.NanpassError, match="^nanpass: .*torch.export"):
+        torch.jit.trace(safe, (x,)) if how == "trace" else torch.jit.script(safe)
