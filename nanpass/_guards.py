@@ -430,10 +430,14 @@ def cosine_similarity(fn, args, kwargs, consts, fence):
 
 
 @memo
-def _signature(kind: type | Callable) -> inspect.Signature:
-    if isinstance(kind, type):
-        return inspect.signature(kind.forward)
-    return inspect.signature(kind)
+def _params(fn) -> tuple[str, ...]:
+    return tuple(p for p in inspect.signature(fn).parameters if p != "self")
+
+
+# read once at import: inside a region dynamo traces, inspect.signature and a cache keyed on
+# the function are Python state it misreads (the arguments came out bound to the wrong names)
+_MHA_PARAMS = {"module": _params(torch.nn.MultiheadAttention.forward),
+               "function": _params(torch.nn.functional.multi_head_attention_forward)}
 
 
 def _finite_mask(mask, dtype: torch.dtype):
@@ -449,11 +453,11 @@ def _finite_mask(mask, dtype: torch.dtype):
 
 def attention(fn, args, kwargs, consts, fence):
     """nn.MultiheadAttention / F.multi_head_attention_forward: rows whose every key is masked."""
-    kind = type(fn) if isinstance(fn, torch.nn.Module) else fn
-    sig = _signature(kind)
-    params = list(sig.parameters)
-    if params and params[0] == "self":
-        params = params[1:]
+    module = isinstance(fn, torch.nn.Module)
+    if torch.compiler.is_compiling():
+        params = _MHA_PARAMS["module" if module else "function"]
+    else:  # a subclass may take other arguments
+        params = _params(type(fn).forward if module else fn)
     bound = dict(zip(params, args, strict=False))
     bound.update(kwargs)
     dtype = bound["query"].dtype

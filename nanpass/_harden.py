@@ -121,6 +121,14 @@ class Hardened(torch.nn.Module):
     def __repr__(self) -> str:
         return f"nanpass.Hardened({self._nanpass_model!r})"
 
+    @property
+    def __class__(self):
+        """The model's class, so ``isinstance(safe, PreTrainedModel)`` holds as for the model
+        (frameworks branch on it: the Trainer saves a checkpoint with ``save_pretrained``).
+        ``type(safe)`` is still ``Hardened``, and so is ``isinstance(safe, nanpass.Hardened)``."""
+        model = self.__dict__.get("_nanpass_model")
+        return type(model) if model is not None else Hardened
+
     # -- what was done ----------------------------------------------------------------------
     @property
     def original(self) -> torch.nn.Module:

@@ -366,3 +366,45 @@ def test_torchscript_says_to_use_export(how):
     safe = nanpass.harden(plain)
     with pytest.raises(nanpass.NanpassError, match="^nanpass: .*torch.export"):
         torch.jit.trace(safe, (x,)) if how == "trace" else torch.jit.script(safe)
+
+
+# -- frameworks take the hardened model as the model ----------------------------------------
+
+class _Tokens(torch.utils.data.Dataset):
+    """input_ids and labels, and a column the model does not take (the Trainer drops it by
+    reading the forward's signature)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids, "source": "doc"}
+
+
+@pytest.mark.slow
+def test_hf_trainer_takes_the_hardened_model_with_default_arguments(tmp_path):
+    """Default TrainingArguments: the column filter reads the signature, the loss is scaled in
+    place, and save_model writes a checkpoint the plain class loads (tied weights included);
+    a resumed run continues from it."""
+    T = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from tests.hf_models import build
+
+    model, _ = build("gpt2")
+    safe = nanpass.harden(model)
+    assert isinstance(safe, T.PreTrainedModel) and isinstance(safe, nanpass.Hardened)
+    args = T.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                               report_to=[], use_cpu=True, save_steps=1)
+    trainer = T.Trainer(model=safe, args=args, train_dataset=_Tokens())
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    loaded = T.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    resumed = T.Trainer(model=nanpass.harden(build("gpt2")[0]), train_dataset=_Tokens(),
+                        args=T.TrainingArguments(output_dir=str(tmp_path), max_steps=3,
+                                                 per_device_train_batch_size=4, report_to=[], use_cpu=True))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.state.global_step == 3
