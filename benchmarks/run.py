@@ -162,14 +162,19 @@ def bench_compiled(model, batch, repeats, shapes=False):
     npb = torch.compile(model, backend=nanpass.backend())
     train_step(npb, batch)()
     t_np = time.perf_counter() - t0
-    fns = {"inductor": train_step(ind, batch), "nanpass": train_step(npb, batch)}
+    # torch.compile(nanpass.harden(model)): the guards traced into inductor's graph by dynamo
+    hard = torch.compile(nanpass.harden(model), backend="inductor")
+    train_step(hard, batch)()
+    fns = {"inductor": train_step(ind, batch), "nanpass": train_step(npb, batch),
+           "harden": train_step(hard, batch)}
     if shapes:  # shape asserts: checked when a graph compiles, so nothing per call
         sh = torch.compile(model, backend=nanpass.backend(shape_checks=True))
         train_step(sh, batch)()
         fns["shapes"] = train_step(sh, batch)
     t = interleaved(fns, repeats)
     out = {"inductor_ms": t["inductor"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3,
-           "ratio": t["nanpass"] / t["inductor"], "compile_s_inductor": t_ind,
+           "ratio": t["nanpass"] / t["inductor"], "compiled_harden_ms": t["harden"] * 1e3,
+           "compiled_harden_ratio": t["harden"] / t["inductor"], "compile_s_inductor": t_ind,
            "compile_s_nanpass": t_np, "compile_ratio": t_np / t_ind}
     if shapes:
         out["shape_checks_ratio"] = t["shapes"] / t["inductor"]
@@ -316,6 +321,8 @@ def main():
         extra = f", with shape_checks {x['shape_checks_ratio']:.3f}" if "shape_checks_ratio" in x else ""
         print(f"{name:26} {'compiled step':16} {x['inductor_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"
               f"  vs inductor{extra}; compile {x['compile_s_inductor']:.1f}s vs {x['compile_s_nanpass']:.1f}s")
+        print(f"{name:26} {'compile(harden)':16} {x['inductor_ms']:10.2f} {x['compiled_harden_ms']:11.2f} "
+              f"{x['compiled_harden_ratio']:7.3f}  vs inductor")
     for row in results["first_call"]:
         print(f"first call, GPT-2 {row['layers']:2d} layers: plain {row['plain_s'] * 1e3:.0f} ms, "
               f"harden() + first call {row['nanpass_s'] * 1e3:.0f} ms, dynamo (eager backend) "

@@ -5,7 +5,6 @@ nothing unless a hardened call is running.
   recomputation would run unguarded (and differ from the forward where a guard fired). Both
   implementations look their worker up at call time, so wrapping it here makes the region's
   function re-enter the hardened call's guards on recompute.
-- ``graph_task_id``: which backward pass is running (``torch._C._current_graph_task_id``).
 - ``dynamo_cache_entries``: dynamo's compiled entries of a code object, so that
   ``nanpass.report(compiled)`` finds every graph of a model, after graph breaks too.
 - ``inner_compiler``: the aot_eager and inductor compilers the backend hands its graph to.
@@ -31,19 +30,19 @@ import torch
 import torch.utils.checkpoint as _cp
 
 
+# what the layer above registers (``on_guarded_call``): this module imports nothing of nanpass
+_HOOKS: dict = {"bind": None, "guarding": None}
+
+
+def on_guarded_call(bind, guarding) -> None:
+    """``bind(fn)``: ``fn`` made to re-enter the running hardened call's guards (or ``fn``
+    itself outside one); ``guarding()``: whether nanpass's own mode is the innermost one."""
+    _HOOKS["bind"], _HOOKS["guarding"] = bind, guarding
+
+
 def _bind_active(fn):
-    from ._intercept import ACTIVE, run_guarded
-
-    mode = ACTIVE.get()
-    if mode is None:
-        return fn
-    sites = mode.sites
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        return run_guarded(sites, fn, args, kwargs)
-
-    return run
+    bind = _HOOKS["bind"]
+    return fn if bind is None else bind(fn)
 
 
 def _patch_checkpoint() -> None:
@@ -74,13 +73,10 @@ def _patch_fast_path_check() -> None:
     original = ov.has_torch_function
 
     def has_torch_function(args):
-        from ._intercept import ACTIVE, GuardMode
-
-        if ACTIVE.get() is not None:
-            stack = ov._get_current_function_mode_stack()
-            if stack and isinstance(stack[-1], GuardMode):
-                with ov._pop_mode_temporarily():
-                    return original(args)
+        guarding = _HOOKS["guarding"]
+        if guarding is not None and guarding():
+            with ov._pop_mode_temporarily():
+                return original(args)
         return original(args)
 
     has_torch_function.__doc__ = original.__doc__
@@ -138,16 +134,6 @@ def _after_import(name: str, patch) -> None:
             return spec
 
     sys.meta_path.insert(0, Finder())
-
-
-def graph_task_id() -> int | None:
-    """The id of the backward pass now running (None outside one): a guard's probe tells its
-    first backward pass from a later (double backward) one. Checkpoint uses the same call."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    if fn is None:
-        return None
-    task = fn()
-    return None if task == -1 else task
 
 
 def dynamo_cache_entries(code) -> list:

@@ -15,6 +15,7 @@ call: no global state, so many instances, threads and freeing work as for a plai
 from __future__ import annotations
 
 import contextvars
+import functools
 import linecache
 import os
 import sys
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _compat  # noqa: F401  (checkpoint recomputes under the guards)
+from . import _compat
 from ._check import Site, checked
 from ._config import Config
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
@@ -85,6 +86,9 @@ class Sites:
         self._changes_by_key: dict = {}
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
+        # the mode a region dynamo traces enters: made here, outside it, so that dynamo reads an
+        # existing object (after a graph break it rebuilds a mode made inside the region wrongly)
+        self.traced_mode = GuardMode(self)
 
     # -- where a call comes from ------------------------------------------------------------
     def _path(self, module: torch.nn.Module | None) -> str | None:
@@ -312,8 +316,8 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
     """``fn(*args, **kwargs)`` with the rule table's calls guarded, unless already so."""
     if torch.compiler.is_compiling():
         # traced by dynamo: the mode is inlined into the graph; no ContextVar, no counters
-        with GuardMode(sites):
-            return fn(*args, **kwargs)
+        with sites.traced_mode:
+            return fn(*args, **kwargs) if kwargs else fn(*args)
     mode = ACTIVE.get()
     if mode is not None and mode.sites is sites:
         return fn(*args, **kwargs)
@@ -333,3 +337,26 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
 
 
 BOUNDARY.add(run_guarded.__code__)
+
+
+def _bind(fn: Callable) -> Callable:
+    """Checkpoint's recompute, outside the hardened call, re-enters its guards."""
+    mode = ACTIVE.get()
+    if mode is None:
+        return fn
+    sites = mode.sites
+
+    def run(*args, **kwargs):
+        return run_guarded(sites, fn, args, kwargs)
+
+    return functools.wraps(fn)(run)
+
+
+def _guarding() -> bool:
+    if ACTIVE.get() is None:
+        return False
+    stack = torch.overrides._get_current_function_mode_stack()
+    return bool(stack) and isinstance(stack[-1], GuardMode)
+
+
+_compat.on_guarded_call(_bind, _guarding)

@@ -78,9 +78,8 @@ class Stats:
 
 def stats(model) -> Stats:
     """The guard statistics of ``nanpass.harden(model, count=True)``."""
-    from ._harden import Hardened
-
-    if not isinstance(model, Hardened) or not model.nanpass_config.count:
+    config = getattr(model, "nanpass_config", None)  # a Hardened (this module sits below it)
+    if config is None or not config.count:
         raise NanpassError("nanpass: stats() needs a model hardened with count=True, e.g. "
                            "nanpass.harden(model, count=True)")
     rows = []
