@@ -86,9 +86,6 @@ class Sites:
         self._changes_by_key: dict = {}
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
-        # the mode a region dynamo traces enters: made here, outside it, so that dynamo reads an
-        # existing object (after a graph break it rebuilds a mode made inside the region wrongly)
-        self.traced_mode = GuardMode(self)
 
     # -- where a call comes from ------------------------------------------------------------
     def _path(self, module: torch.nn.Module | None) -> str | None:
@@ -316,8 +313,8 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
     """``fn(*args, **kwargs)`` with the rule table's calls guarded, unless already so."""
     if torch.compiler.is_compiling():
         # traced by dynamo: the mode is inlined into the graph; no ContextVar, no counters
-        with sites.traced_mode:
-            return fn(*args, **kwargs) if kwargs else fn(*args)
+        with GuardMode(sites):
+            return fn(*args, **kwargs)
     mode = ACTIVE.get()
     if mode is not None and mode.sites is sites:
         return fn(*args, **kwargs)
