@@ -32,12 +32,22 @@ import torch.utils.checkpoint as _cp
 
 # what the layer above registers (``on_guarded_call``): this module imports nothing of nanpass
 _HOOKS: dict = {"bind": None, "guarding": None}
+# C functions a TorchFunctionMode sees in eager that dynamo would not offer to a traced mode
+_OFFERED: set = set()
 
 
 def on_guarded_call(bind, guarding) -> None:
     """``bind(fn)``: ``fn`` made to re-enter the running hardened call's guards (or ``fn``
     itself outside one); ``guarding()``: whether nanpass's own mode is the innermost one."""
     _HOOKS["bind"], _HOOKS["guarding"] = bind, guarding
+
+
+def offer_to_traced_modes(fns) -> None:
+    """Dynamo hands a call to a traced TorchFunctionMode only when ``torch.overrides`` lists it
+    as overridable, a list built from public names. A mode sees the private C spellings
+    (``torch._weight_norm``, ``torch._lu_with_info``) in eager: dynamo must offer them too, or
+    a compiled hardened model runs them unguarded."""
+    _OFFERED.update(fns)
 
 
 def _bind_active(fn):
@@ -86,10 +96,11 @@ def _patch_fast_path_check() -> None:
 
 
 def _teach_dynamo(module) -> None:
-    """Dynamo answers ``has_torch_function`` itself, from a table keyed by the function object
+    """Two things dynamo decides from tables of its own. It answers ``has_torch_function`` itself, from a table keyed by the function object
     it found in ``torch.overrides`` when it built the table. Modules that imported the C
     function by name (``torch._tensor``'s reflected operators: ``1 - x``) call the other object:
-    without both keys, dynamo graph-breaks there whenever a TorchFunctionMode is traced."""
+    without both keys, dynamo graph-breaks there whenever a TorchFunctionMode is traced. And
+    it offers a traced mode only the calls it lists as overridable (``offer_to_traced_modes``)."""
     import torch.overrides as ov
 
     cls = module.TorchInGraphFunctionVariable
@@ -103,6 +114,14 @@ def _teach_dynamo(module) -> None:
         return table
 
     cls._get_handlers = staticmethod(handlers)
+
+    listed = module.get_overridable_functions
+
+    @functools.cache
+    def overridable():
+        return listed() | _OFFERED
+
+    module.get_overridable_functions = overridable
 
 
 def _after_import(name: str, patch) -> None:

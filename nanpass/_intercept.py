@@ -357,3 +357,4 @@ def _guarding() -> bool:
 
 
 _compat.on_guarded_call(_bind, _guarding)
+_compat.offer_to_traced_modes(fn for fn in CALLS if isinstance(fn, types.BuiltinFunctionType))

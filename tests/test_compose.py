@@ -408,3 +408,88 @@ def test_hf_trainer_takes_the_hardened_model_with_default_arguments(tmp_path):
                                                  per_device_train_batch_size=4, report_to=[], use_cpu=True))
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert resumed.state.global_step == 3
+
+
+@pytest.mark.slow
+def test_hf_trainer_torch_compile_adds_no_graph_break_of_nanpass(tmp_path):
+    """``TrainingArguments(torch_compile=True)``: the compiled hardened model breaks its graph
+    only for the plain model's reasons (transformers' own logging call in the loss) and
+    compiles as many graphs. Dynamo counts a break once per Python frame it unwinds, and the
+    wrapper adds frames, so the counts of one reason may differ; the set of reasons may not."""
+    T = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from torch._dynamo.utils import counters
+
+    from tests.hf_models import build
+
+    def breaks(model):
+        torch._dynamo.reset()
+        counters.clear()
+        args = T.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                                   report_to=[], use_cpu=True, save_strategy="no", torch_compile=True,
+                                   torch_compile_backend="aot_eager")
+        trainer = T.Trainer(model=model, args=args, train_dataset=_Tokens())
+        loss = trainer.train().training_loss
+        assert torch.isfinite(torch.tensor(loss))
+        return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+
+    plain_breaks, plain_graphs = breaks(build("gpt2")[0])
+    safe_breaks, safe_graphs = breaks(nanpass.harden(build("gpt2")[0]))
+    assert safe_graphs > 0 and safe_graphs == plain_graphs
+    assert set(safe_breaks) == set(plain_breaks)
+
+
+def _lightning_net(net):
+    L = pytest.importorskip("lightning.pytorch")
+
+    class Regression(L.LightningModule):
+        """The user's LightningModule holds the hardened model as an ordinary submodule."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.net(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    return L, Regression()
+
+
+class _LogNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.lin(torch.log(x))  # a feature column of zeros: -inf, and the loss is inf
+
+
+@pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")  # lightning 2.6's own
+def test_lightning_module_wrapping_a_hardened_model_trains_checkpoints_and_reloads(tmp_path):
+    """Lightning's own fit, save_checkpoint and load_from_checkpoint, with ``harden(model)`` as
+    a submodule: training stays finite where the plain model's loss is inf, and the checkpoint
+    has the plain model's keys, so the plain module loads it strictly."""
+    torch.manual_seed(0)
+    x = torch.rand(16, 3) + 0.5
+    x[4:8, 0] = 0.0
+    y = torch.randn(16, 1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    plain = _LogNet()
+    assert not torch.isfinite(((plain(x[4:8]) - y[4:8]) ** 2).mean())
+
+    L, module = _lightning_net(nanpass.harden(_LogNet()))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, loader)
+    assert trainer.global_step == 8
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    path = tmp_path / "final.ckpt"
+    trainer.save_checkpoint(str(path))
+    _, reference = _lightning_net(_LogNet())
+    loaded = type(reference).load_from_checkpoint(str(path), strict=True)
+    for (k, a), (k2, b) in zip(module.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(a, b), k
