@@ -24,6 +24,8 @@ def memo(fn: Callable) -> Callable:
     def get(*key):
         if key in cache:  # dynamo folds a membership test and a lookup to constants
             return cache[key]
+        if torch.compiler.is_compiling():  # a write would be a side effect torch.export warns of
+            return fn(*key)
         value = cache[key] = fn(*key)
         return value
 

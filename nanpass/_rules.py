@@ -862,6 +862,13 @@ def _call_index() -> dict:
                 index.setdefault(sp.call, (rule, sp, False))
         for _, fn, sp, swapped in _operator_calls(rule):
             index.setdefault(fn, (rule, sp, swapped))
+        # strict torch.export: dynamo hands a mode the operator itself (operator.truediv)
+        for name in rule.operators:
+            op = _resolve(name)
+            index.setdefault(op, (rule, Spelling("operator", name, op, op), False))
+        for ip, op in rule.inplace_operators:
+            fn = _resolve(ip)
+            index.setdefault(fn, (rule, Spelling("operator", ip, fn, fn, _resolve(op)), False))
     return index
 
 
