@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from ._compat import function_apply
 from ._constants import PowDomain, bounds, memo, pow_domain
 
 Tensor = torch.Tensor
@@ -122,6 +123,11 @@ class _FiniteJvp(_Finite):
         return tangent
 
 
+# eager: the C apply (the Python wrapper binds each call's arguments with inspect.signature)
+_FENCE_EAGER = function_apply(_FenceJvp)
+_FINITE_EAGER = function_apply(_FiniteJvp)
+
+
 def _tie(y, token: Tensor):
     """``y`` (bit for bit: y + (-0.0)), a fresh tensor whose backward sends sum(grad * 0) to
     the token: 0 for a finite gradient, NaN for one with an inf or NaN (no overflow of a sum of
@@ -146,7 +152,7 @@ class Fences:
 
     def __call__(self, x):
         if isinstance(x, Tensor) and x.requires_grad and x.is_floating_point():
-            x, token = (_Fence if torch.compiler.is_compiling() else _FenceJvp).apply(x)
+            x, token = _Fence.apply(x) if torch.compiler.is_compiling() else _FENCE_EAGER(x)
             self.tokens.append(token)
         return x
 
@@ -186,7 +192,7 @@ def finite(x):
     _count(lambda: ~torch.isfinite(x))
     if not x.requires_grad:
         return _saturate(x)
-    return (_Finite if torch.compiler.is_compiling() else _FiniteJvp).apply(x)
+    return _Finite.apply(x) if torch.compiler.is_compiling() else _FINITE_EAGER(x)
 
 
 def finite_all(out):
@@ -394,8 +400,16 @@ def finite_low_precision(fn, args, kwargs, consts, fence):
     so the next op sees +-max, not inf (identity on finite values; straight-through gradient).
     bfloat16 has float32's range: there, as in float32/float64, the op runs as written."""
     out = fn(*args, **kwargs)
-    if isinstance(out, Tensor) and out.dtype == torch.float16:
+    if not isinstance(out, Tensor) or out.dtype != torch.float16:
+        return out
+    if torch.compiler.is_compiling() or out._base is not None or "out" in kwargs:
         return finite(out)
+    # eager, a fresh result no one else holds yet: saturated in place, through a detached
+    # alias, so autograd records nothing (the gradient passes straight through, as finite's)
+    # and no second tensor is made (a product is the largest activation; autocast makes many)
+    b = bounds(out.dtype)
+    _count(lambda: ~torch.isfinite(out))
+    out.detach().nan_to_num_(nan=0.0, posinf=b.sat, neginf=-b.sat)
     return out
 
 

@@ -288,7 +288,7 @@ class GuardMode(TorchFunctionMode):
         self.sites = sites
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
-        if torch.compiler.is_compiling() and isinstance(func, types.FunctionType):
+        if isinstance(func, types.FunctionType) and torch.compiler.is_compiling():
             hit = None
             for fn, h in PY_CALLS:
                 if fn is func:

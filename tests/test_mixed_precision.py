@@ -95,3 +95,34 @@ def test_poisoned_batches_recover(poison_every):
     assert all(torch.isfinite(torch.tensor(losses)))  # hardened: every loss finite
     assert all(torch.isfinite(p).all() for p in safe.parameters())
     assert scales[-1] >= 1.0
+
+
+@pytest.mark.parametrize("op", ["linear", "matmul", "bmm", "addmm"])
+def test_a_float16_product_is_saturated_in_place(op):
+    """A product's fresh float16 result is saturated where it lies: no second tensor, no
+    autograd node of nanpass's (its grad_fn is the product's own), the gradient straight
+    through, and the overflow gone (65504 * 2 is inf in float16)."""
+    torch.manual_seed(0)
+    a = torch.full((2, 3, 4), 200.0, dtype=torch.float16, requires_grad=True)
+    w = torch.full((4, 4), 100.0, dtype=torch.float16, requires_grad=True)
+    calls = {
+        "linear": lambda: torch.nn.functional.linear(a, w),
+        "matmul": lambda: torch.matmul(a, w),
+        "bmm": lambda: torch.bmm(a, w.expand(2, 4, 4)),
+        "addmm": lambda: torch.addmm(w[:3], a[0], w),
+    }
+
+    class Net(torch.nn.Module):
+        def forward(self):
+            return calls[op]()
+
+    plain = Net()()
+    assert torch.isinf(plain).all()
+    out = nanpass.harden(Net())()
+    assert type(out.grad_fn) is type(plain.grad_fn)
+    assert torch.isfinite(out).all() and (out == torch.finfo(torch.float16).max / 16).all()
+    out.float().sum().backward()
+    ga, gw = a.grad.clone(), w.grad.clone()
+    a.grad = w.grad = None
+    calls[op]().float().sum().backward()  # the plain product's gradient: straight through
+    assert torch.equal(ga, a.grad) and torch.equal(gw, w.grad)
