@@ -31,6 +31,7 @@ from . import _compat
 from ._check import Site, checked
 from ._config import Config
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
+from ._rule import cuda_autocast
 from ._rules import CALLS, PY_CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
 
@@ -52,13 +53,18 @@ def _float_operand(args, kwargs) -> bool:
     return False
 
 
-def _any_dtype(args, dtypes) -> bool:
+def _in_dtypes(rule: Rule, args) -> bool:
+    """Whether the call computes in one of ``rule.only_dtypes``."""
+    dtypes = rule.only_dtypes
     first = None
     for a in args:  # runs on every call of such a rule: a loop, no generator
         if isinstance(a, Tensor):
+            if first is None:
+                first = a
+                if rule.autocast_float32 and cuda_autocast(a):
+                    return torch.float32 in dtypes
             if a.dtype in dtypes:
                 return True
-            first = a if first is None else first
     if first is None:
         return False
     # under autocast a float32 product is computed (and can overflow) in low precision
@@ -127,7 +133,7 @@ class Sites:
         rule, sp, swapped = hit
         if swapped:  # 2 / x arrives as x.__rtruediv__(2): guard it as 2 / x
             args = (args[1], args[0], *args[2:])
-        if rule.only_dtypes and not _any_dtype(args, rule.only_dtypes):
+        if rule.only_dtypes and not _in_dtypes(rule, args):
             return sp.call(*args, **kwargs)  # not unsafe in this dtype: not looked at
         if torch.compiler.is_compiling():  # no frames to walk, no site dict to read
             return self._traced(rule, sp, args, kwargs)
@@ -301,7 +307,7 @@ class GuardMode(TorchFunctionMode):
                 hit = None
         if hit is not None:
             rule = hit[0]
-            if rule.only_dtypes and not hit[2] and not _any_dtype(args, rule.only_dtypes):
+            if rule.only_dtypes and not hit[2] and not _in_dtypes(rule, args):
                 return func(*args, **(kwargs or {}))  # not unsafe in this dtype: not looked at
             return self.sites.call(hit, args, kwargs or {})
         # anything else runs as called; a torch composite written in Python (F.normalize)

@@ -127,6 +127,9 @@ class Rule:
     # the op is unsafe only for operands of these dtypes (a product overflows float16, not
     # float32): other calls are not looked at, cost nothing and are not reported
     only_dtypes: tuple[torch.dtype, ...] = ()
+    # CUDA autocast runs the op in float32 (torch's amp lists: layer_norm, pow, ...): under it
+    # a float16 operand is not computed in float16, and the dtype's hazard is not there
+    autocast_float32: bool = False
 
     @property
     def guarded(self) -> bool:
@@ -200,12 +203,18 @@ def _dtype(x) -> torch.dtype | None:
     return v.dtype if isinstance(v, Tensor) else None
 
 
+def cuda_autocast(x) -> bool:
+    """``x`` is a CUDA tensor under CUDA autocast (an op on autocast's float32 list then
+    computes in float32 whatever ``x``'s dtype)."""
+    return isinstance(x, Tensor) and x.is_cuda and torch.is_autocast_enabled("cuda")
+
+
 def _exponent_safe(args, kwargs):
     p = args[1] if len(args) > 1 else kwargs.get("exponent")
     if _number(p) and p in (0, 1):
         return f"exponent {p!r} is finite with a finite gradient everywhere"
     base = args[0] if args else kwargs.get("input", kwargs.get("self"))
-    dtype = _dtype(base)
+    dtype = torch.float32 if cuda_autocast(base) else _dtype(base)  # pow is on the float32 list
     if _number(p) and float(p).is_integer() and p >= 2 and dtype in (torch.float32, torch.float64, torch.bfloat16):
         # x ** 3 is x * x * x: past max only for |x| > cbrt(max) (7e12 in float32), the
         # overflow of ordinary arithmetic (docs/census.md); bfloat16 has float32's range; in

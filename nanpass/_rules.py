@@ -127,7 +127,7 @@ RULES: tuple[Rule, ...] = (
         functions=("torch.pow", "torch.float_power"),
         operators=("operator.pow",),
         inplace_operators=(("operator.ipow", "operator.pow"),),
-        methods=("pow", "float_power"), inplace=True, safe_if=_exponent_safe,
+        methods=("pow", "float_power"), inplace=True, safe_if=_exponent_safe, autocast_float32=True,
         sample=Sample(operands(tensor(0.0, -1.0, 4.0), 0.5), operands(tensor(0.25, 1.0, 4.0), 0.5)),
     ),
     Rule(
@@ -248,17 +248,19 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(1.0, 0.0), tensor(0.0, 0.0)), operands(tensor(1.0, 2.0), tensor(0.5, 3.0))),
     ),
     Rule(
-        "cross_entropy", g.loss,
-        reason="0/0 in the mean when every target is ignored; +-inf logits give NaN",
-        action="+-inf logits to +-sat; a NaN loss becomes 0 with zero gradient",
+        "cross_entropy", g.logits_loss,
+        reason="0/0 in the mean when every target is ignored; +inf logits, or a row of -inf, give NaN",
+        action="the loss saturated, a NaN loss becomes 0; non-finite gradients become 0 "
+        "(the logits are not copied; -inf logits keep their exact loss and gradient)",
         functions=("F.cross_entropy",), modules=("nn.CrossEntropyLoss",),
         sample=Sample(operands(_LOGITS, tensor(-100, -100, -100, dtype=torch.int64)),
                operands(_LOGITS, tensor(0, 3, 1, dtype=torch.int64)), ctor={"nn.CrossEntropyLoss": ()}),
     ),
     Rule(
-        "nll_loss", g.loss,
+        "nll_loss", g.logits_loss,
         reason="0/0 in the mean when every target is ignored",
-        action="+-inf inputs to +-sat; a NaN loss becomes 0 with zero gradient",
+        action="the loss saturated, a NaN loss becomes 0; non-finite gradients become 0 "
+        "(the input is not copied)",
         functions=("F.nll_loss",), modules=("nn.NLLLoss",),
         sample=Sample(operands(_LOGITS, tensor(-100, -100, -100, dtype=torch.int64)),
                operands(_LOGITS, tensor(0, 3, 1, dtype=torch.int64)), ctor={"nn.NLLLoss": ()}),
@@ -337,6 +339,7 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2)), (2,), None, None, 1e-12),
                       operands(tensor(1.0, 3.0, shape=(1, 2)), (2,)), dtypes=(torch.float16,)),
         only_dtypes=(torch.float16,),  # an eps such as 1e-12 is 0 only in float16
+        autocast_float32=True,
     ),
     Rule(
         "norm", g.finite_call,
@@ -570,7 +573,7 @@ RULES: tuple[Rule, ...] = (
                                tensor(1.0, grad=False)),
                       operands(tensor(1.0, 2.0, shape=(1, 2)), tensor(2.0, 1.0, shape=(1, 2)),
                                tensor(1.0, grad=False)), dtypes=(torch.float16,)),
-        only_dtypes=(torch.float16,),
+        only_dtypes=(torch.float16,), autocast_float32=True,
     ),
     Rule(
         "pairwise_distance", g.finite_call,
@@ -644,7 +647,7 @@ RULES: tuple[Rule, ...] = (
                       operands(tensor(1.0, 2.0, 0.0, -1.0, shape=(1, 4)), 1), dtypes=(torch.float16,),
                       spellings={"torch.native_group_norm": operands(  # (x, weight, bias, N, C, HxW, groups, eps)
                           tensor(0.0, 0.0, 0.0, 0.0, shape=(1, 4)), None, None, 1, 4, 1, 1, 1e-5)}),
-        only_dtypes=(torch.float16,),
+        only_dtypes=(torch.float16,), autocast_float32=True,
     ),
     Rule(
         "instance_norm", g.finite_call,

@@ -1331,3 +1331,60 @@ def test_gradient_penalty_inside_forward():
     model.zero_grad(set_to_none=True)
     nanpass.harden(model)(x.clone()).backward()
     assert torch.isfinite(model.fc.weight.grad).all()
+
+
+class _CE(nn.Module):
+    def forward(self, logits, y, reduction="mean"):
+        return F.cross_entropy(logits, y, reduction=reduction)
+
+
+def test_cross_entropy_makes_no_copy_of_the_logits():
+    """A vocabulary's logits are a step's largest activation: in forward, where a step's peak
+    memory is, the guard allocates no float tensor of their size beyond what the plain loss does
+    (its log_softmax); in backward, one (the fence's) after the loss's own, and bool masks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sized(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.ops = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and o.is_floating_point() and o.numel() == self.numel:
+                    self.ops.append(func.overloadpacket.__name__)
+            return out
+
+    def sized_ops(model):
+        logits = torch.randn(4, 16, 1000, requires_grad=True)
+        y = torch.randint(0, 1000, (4, 16))
+        with Sized(logits.numel()) as fwd:
+            loss = model(logits.view(-1, 1000), y.view(-1))
+        with Sized(logits.numel()) as bwd:
+            loss.backward()
+        real = lambda ops: sorted(op for op in ops if op not in ("view", "detach"))  # noqa: E731
+        return real(fwd.ops), real(bwd.ops)
+
+    (plain_fwd, plain_bwd), (safe_fwd, safe_bwd) = sized_ops(_CE()), sized_ops(nanpass.harden(_CE()))
+    assert plain_fwd == safe_fwd == ["_log_softmax"]
+    assert sorted(safe_bwd) == sorted([*plain_bwd, "where"])
+
+
+def test_a_bad_row_of_logits_leaves_the_other_rows_training():
+    """+inf in one row's logits (or a row of -inf): that row's loss and gradient are 0; every
+    other row's loss and gradient are the plain model's, bit for bit."""
+    torch.manual_seed(0)
+    y = torch.tensor([0, 2, 1, 3])
+    for bad in (lambda r: r.__setitem__(2, float("inf")), lambda r: r.fill_(-float("inf"))):
+        x = torch.randn(4, 5)
+        bad(x[1])
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        plain, safe = _CE()(a, y, "none"), nanpass.harden(_CE())(b, y, "none")
+        assert not torch.isfinite(plain[1]) and safe[1] == 0
+        keep = [0, 2, 3]
+        assert torch.equal(safe[keep], plain[keep])
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        _CE()(a, y).backward()
+        nanpass.harden(_CE())(b, y).backward()
+        assert torch.equal(b.grad[keep], a.grad[keep]) and (b.grad[1] == 0).all()

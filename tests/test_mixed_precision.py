@@ -126,3 +126,24 @@ def test_a_float16_product_is_saturated_in_place(op):
     a.grad = w.grad = None
     calls[op]().float().sum().backward()  # the plain product's gradient: straight through
     assert torch.equal(ga, a.grad) and torch.equal(gw, w.grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast (run on a lent GPU: benchmarks/gpu_check.py)")
+def test_cuda_autocast_runs_float32_list_ops_unguarded():
+    """CUDA autocast computes layer_norm and pow in float32 (torch's amp lists): their float16
+    hazards (1/sqrt(eps) and x ** 3 past 65504) are not there, so the calls run as written
+    (layer_norm, dtype-gated, is not looked at; pow is reported left); outside autocast the
+    same float16 calls are guarded."""
+
+    class Block(nn.Module):
+        def forward(self, x):
+            return torch.pow(nn.functional.layer_norm(x, (8,)), 3.0)
+
+    x = torch.randn(4, 8, device="cuda", dtype=torch.float16)
+    safe = nanpass.harden(Block())
+    with torch.autocast("cuda", dtype=torch.float16):
+        safe(x)
+    assert {(c.op, c.action) for c in safe.changes} == {("pow", "left")}
+    outside = nanpass.harden(Block())
+    outside(x)
+    assert {(c.op, c.action) for c in outside.changes} == {("layer_norm", "guarded"), ("pow", "guarded")}

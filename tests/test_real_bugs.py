@@ -876,10 +876,6 @@ def test_table_and_cases_agree():
     assert all(row[1].startswith("https://") for row in TABLE)
 
 
-# torch.compile(nanpass.harden(model)) on these raises a dynamo error (see step 3)
-DYNAMO_KWARGS_BUG = {"transformer_encoder_fastpath_banded_mask"}
-
-
 @pytest.mark.parametrize("bug_id,url,op,trigger", TABLE, ids=[row[0] for row in TABLE])
 def test_real_bug(bug_id, url, op, trigger):
     case = CASES[bug_id]
@@ -912,13 +908,6 @@ def test_real_bug(bug_id, url, op, trigger):
                 problems.append("[3] finite under the backend alone: drop graph_break")
             torch._dynamo.reset()
             both = torch.compile(nanpass.harden(model), backend=nanpass.backend(inner="aot_eager"))
-            if bug_id in DYNAMO_KWARGS_BUG:
-                # known, open: torch 2.13's dynamo, resuming after the model's own Tensor.item()
-                # break inside nanpass's traced mode, re-runs a keyword call with its keywords
-                # swapped (full(dtype=..., device=...)); this fails loudly once dynamo is fixed
-                with pytest.raises(TypeError, match="must be torch.device, not torch.dtype"):
-                    _run(both, case.trigger(), case.grad)
-                return
             outs, grads = _run(both, case.trigger(), case.grad)
             if not _finite(outs + grads):
                 problems.append(f"[3] compiled hardened model: {_describe(outs, grads)}")
