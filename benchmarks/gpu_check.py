@@ -148,9 +148,13 @@ def step_times(compile_too: bool) -> dict:
         torch._dynamo.reset()
         ind = torch.compile(model)
         npb = torch.compile(model, backend=nanpass.backend())
-        t = _time({"inductor": _step(ind, ids, None), "nanpass": _step(npb, ids, None)}, repeats=10)
+        hard = torch.compile(nanpass.harden(model))
+        t = _time({"inductor": _step(ind, ids, None), "nanpass": _step(npb, ids, None),
+                   "harden": _step(hard, ids, None)}, repeats=10)
         out["compiled float32"] = {"inductor_ms": t["inductor"], "nanpass_ms": t["nanpass"],
-                                   "ratio": t["nanpass"] / t["inductor"]}
+                                   "ratio": t["nanpass"] / t["inductor"],
+                                   "compiled_harden_ms": t["harden"],
+                                   "compiled_harden_ratio": t["harden"] / t["inductor"]}
     return out
 
 

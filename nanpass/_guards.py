@@ -61,12 +61,17 @@ def _saturate(t: Tensor) -> Tensor:
     return torch.nan_to_num(t, nan=0.0, posinf=b.sat, neginf=-b.sat)
 
 
-def _is_finite(t: Tensor) -> Tensor:
-    if torch.compiler.is_compiling():  # inductor's CPU code scalarises isfinite
-        return t.abs() <= bounds(t.dtype).max  # false for inf and NaN
-    # isfinite is composite (abs(t) != inf: a float temporary of t's size); these are kernels
-    # that write bools
-    return ~(torch.isnan(t) | torch.isposinf(t) | torch.isneginf(t))
+def _fence_grad(grad: Tensor, token_grad: Tensor) -> Tensor:
+    """``grad`` with its non-finite elements zeroed, or as it came when the gradient that
+    reached the guard's result was non-finite (``token_grad`` NaN). A fresh tensor (grad may
+    be an expanded view, or another node's), and in eager one float tensor of grad's size in
+    two passes: a loss's logits are a step's largest tensor."""
+    if torch.compiler.is_compiling():  # inductor fuses it; its CPU code scalarises isfinite
+        return torch.where((grad.abs() <= bounds(grad.dtype).max) | (token_grad != 0), grad, 0.0)
+    zeroed = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+    if grad.requires_grad or torch._C._are_functorch_transforms_active():  # no out= there
+        return torch.where(token_grad == 0, zeroed, grad)
+    return torch.where(token_grad == 0, zeroed, grad, out=zeroed)
 
 
 class _Fence(torch.autograd.Function):
@@ -88,9 +93,7 @@ class _Fence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, token_grad):
-        # a fresh tensor: never write into grad (it may be an expanded view)
-        # one float result of grad's size (and bool masks): a loss's logits are the largest
-        return torch.where(_is_finite(grad) | (token_grad != 0), grad, 0.0)
+        return _fence_grad(grad, token_grad)
 
 
 class _FenceJvp(_Fence):
