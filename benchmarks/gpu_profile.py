@@ -1,7 +1,7 @@
 """Where a hardened GPT-2 step spends its extra GPU time and memory, under autocast (one short
 run on a lent GPU): the kernels by CUDA time, plain and hardened, and the peak after forward.
 
-    PYTHONPATH=. python benchmarks/gpu_profile.py
+    PYTHONPATH=. python benchmarks/gpu_profile.py [ROWS] [--compiled]
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ from benchmarks.gpu_check import DEV, _step, gpt2
 
 def main():
     model = gpt2()
-    safe = nanpass.harden(model)
     ids = torch.randint(0, 50257, (8, 512), device=DEV)
-    for dtype in (torch.bfloat16, torch.float16):
-        for label, m in (("plain", model), ("nanpass", safe)):
+    compiled = "--compiled" in sys.argv
+    if compiled:  # inductor against compile(harden), bfloat16 autocast
+        pairs = (("inductor", torch.compile(model)), ("compile(harden)", torch.compile(nanpass.harden(model))))
+        dtypes = (torch.bfloat16,)
+    else:
+        pairs, dtypes = (("plain", model), ("nanpass", nanpass.harden(model))), (torch.bfloat16, torch.float16)
+    rows = int(next((a for a in sys.argv[1:] if a.isdigit()), 22))
+    for dtype in dtypes:
+        for label, m in pairs:
             step = _step(m, ids, dtype)
             step()
             step()
@@ -37,8 +43,8 @@ def main():
                 for _ in range(3):
                     step()
                 torch.cuda.synchronize()
-            print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=int(sys.argv[1]) if len(sys.argv) > 1 else 22,
-                                         max_name_column_width=60), flush=True)
+            for key in ("self_cuda_time_total", "self_cpu_time_total"):
+                print(p.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60), flush=True)
 
 
 if __name__ == "__main__":

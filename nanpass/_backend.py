@@ -30,6 +30,7 @@ OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inne
 # nanpass.report(compiled_model) can find its own graphs through dynamo's cache
 _COMPILED: collections.deque[GraphRecord] = collections.deque(maxlen=4096)
 _BY_CALLABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RECORD = "_nanpass_graph_record"
 
 
 def _dynamo_records(model: torch.nn.Module) -> set[int]:
@@ -51,7 +52,9 @@ def _dynamo_records(model: torch.nn.Module) -> set[int]:
                     stack.append(obj)
                 elif name.startswith("__compiled_fn"):
                     while obj is not None:
-                        record = _BY_CALLABLE.get(obj) if _hashable(obj) else None
+                        record = getattr(obj, _RECORD, None)  # functools.wraps copies it along
+                        if record is None and _hashable(obj):
+                            record = _BY_CALLABLE.get(obj)
                         if record is not None:
                             found.add(id(record))
                             break
@@ -110,8 +113,18 @@ def compile_graph(
     compiled = _inner(inner, gm, example_inputs)
     if sites is not None:
         compiled = flagged(compiled, sites, warn=config.mode == "warn", eager=eager)
-    if _hashable(compiled):
-        _BY_CALLABLE[compiled] = record
+    # dynamo installs torch._dynamo.disable(compiled); where compiled is itself a disable
+    # wrapper (aot_eager's, inductor's), that re-wraps the original callable and drops this
+    # one: the record goes on both
+    for obj in (compiled, getattr(compiled, "_torchdynamo_orig_callable", None)):
+        if obj is None:
+            continue
+        try:
+            setattr(obj, _RECORD, record)
+        except (AttributeError, TypeError):
+            pass
+        if _hashable(obj):
+            _BY_CALLABLE[obj] = record
     return compiled
 
 

@@ -79,6 +79,32 @@ def test_graph_break_gives_one_section_per_graph():
     assert change["dtype"] == "float32" and change["constants"]["lo"] == torch.finfo().tiny
 
 
+class _BreakThenDivide(torch.nn.Module):
+    """The second graph (after the break) reads no parameter: only dynamo's cache finds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.log(self.l(x) ** 2)
+        torch._dynamo.graph_break()
+        return h / h.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("backend", [
+    "nanpass.backend(inner='aot_eager')",
+    pytest.param("'nanpass'", marks=pytest.mark.inductor),  # the default inner: inductor
+])
+def test_report_finds_every_graph_after_a_break_whatever_the_inner_compiler(backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(_BreakThenDivide(), backend=eval(backend))
+    compiled(torch.randn(2, 4))
+    report = nanpass.report(compiled)
+    assert [sorted(c.op for c in g.changes if c.action == "guarded") for g in report.graphs] == [
+        ["log"], ["div"]]
+
+
 def test_summary_line():
     assert demo_report().summary() == (
         "5 unsafe ops in 2 modules: 2 softmax, 1 div, 1 log, 1 sqrt \u2014 "
