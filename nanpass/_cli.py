@@ -86,6 +86,9 @@ def _load_target(target: str) -> torch.nn.Module:
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:
+        raise CliError(f"nanpass: importing {path} called {_exit(e)}: the model was not loaded "
+                       f"(put the script's own run under `if __name__ == \"__main__\":`)") from e
     except Exception as e:
         raise CliError(f"nanpass: importing {path} raised {type(e).__name__}: {e}") from e
     finally:
@@ -95,11 +98,18 @@ def _load_target(target: str) -> torch.nn.Module:
         raise CliError(f"nanpass: {path} has no attribute {name!r}; callables in it: {', '.join(names) or '(none)'}")
     try:
         model = getattr(module, name)()
+    except SystemExit as e:
+        raise CliError(f"nanpass: {name}() called {_exit(e)}: the model was not built") from e
     except Exception as e:
         raise CliError(f"nanpass: {name}() raised {type(e).__name__}: {e}") from e
     if not isinstance(model, torch.nn.Module):
         raise CliError(f"nanpass: {name}() returned {type(model).__name__}, not a torch.nn.Module")
     return model.eval()
+
+
+def _exit(e: SystemExit) -> str:
+    """sys.exit(0) is the same SystemExit as exit(0) and raise SystemExit."""
+    return f"sys.exit({e.code!r})" if e.code is not None else "sys.exit()"
 
 
 def _inputs(args) -> tuple[tuple, dict]:
@@ -152,6 +162,8 @@ def _certify(args, model, call_args) -> int:
         cert = nanpass.certify(target, *call_args, ranges=ranges)
     except nanpass.NanpassError:
         raise
+    except SystemExit as e:
+        raise CliError(f"nanpass: running the model called {_exit(e)}: it did not finish") from e
     except Exception as e:
         raise CliError(f"nanpass: running the model raised {type(e).__name__}: {e}") from e
     text = cert.to_json() + "\n" if args.format == "json" else str(cert).replace(os.getcwd() + os.sep, "") + "\n"
@@ -184,6 +196,8 @@ def _run(args) -> int:
             safe(*call_args, **call_kwargs)
     except nanpass.NanpassError:
         raise
+    except SystemExit as e:
+        raise CliError(f"nanpass: running the model called {_exit(e)}: it did not finish") from e
     except Exception as e:
         raise CliError(f"nanpass: running the model raised {type(e).__name__}: {e}") from e
     report = nanpass.report(safe)
@@ -223,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
+    except SystemExit as e:  # the target's own exit, anywhere else (certify traces it too)
+        print(f"nanpass: the target called {_exit(e)}: it did not finish", file=sys.stderr)
+        return 2
     except (CliError, Exception) as e:
         if args.debug:
             traceback.print_exc()

@@ -87,6 +87,22 @@ def test_errors_are_one_line(tmp_path):
     assert _error("report", DEMO).startswith("nanpass: give the model's inputs with --input-shape")
 
 
+@pytest.mark.parametrize("where,code", [
+    ("import", "import sys\nsys.exit(0)\n"),
+    ("constructor", "import sys, torch\nclass Net(torch.nn.Module):\n"
+                    "    def __init__(self):\n        super().__init__()\n        raise SystemExit\n"),
+    ("forward", "import torch\nclass Net(torch.nn.Module):\n"
+                "    def forward(self, x):\n        exit(0)\n"),
+])
+def test_a_target_that_exits_is_an_error_not_a_pass(tmp_path, where, code):
+    """A CI gate (scan --strict) must not pass when the model never ran: a target that calls
+    sys.exit(0) at import, in its constructor or in forward is exit status 2, not 0."""
+    src = tmp_path / "exits.py"
+    src.write_text(code + ("class Net:\n    pass\n" if where == "import" else ""))
+    line = _error("scan", f"{src}:Net", "--strict", "--input-shape", "2,3")
+    assert line.startswith("nanpass: ") and "exit" in line, line
+
+
 def test_a_model_dynamo_cannot_see_into(tmp_path):
     src = tmp_path / "opaque.py"
     src.write_text(
