@@ -100,6 +100,37 @@ def _consts_fn(op: str, overrides: tuple[tuple[str, float], ...]):
     return for_dtype
 
 
+def _default32(op: str, name: str) -> float:
+    return BY_NAME[op].constants[name](bounds(torch.float32))
+
+
+def _tightens(op: str, name: str, v: float) -> None:
+    """A constant may only tighten its bound: checked against float32's (the default dtype).
+    Where it does not tighten a narrower dtype's (a 1e-8 is 0 in float16), that dtype's own
+    bound is used."""
+    safe = _default32(op, name)
+    v32 = float(torch.tensor(v, dtype=torch.float64).to(torch.float32))
+    lower = name.startswith("lo")
+    if math.isfinite(v32) and (v32 >= safe if lower else v32 <= safe):
+        return
+    need = f"{name} >= {safe!r}" if lower else f"{name} <= {safe!r}"
+    rounded = f" (float32 rounds it to {v32!r})" if v32 != v else ""
+    raise ConfigError(
+        f"nanpass: constants[{op!r}][{name!r}] = {v!r}{rounded} would loosen the {op} guard; its "
+        f"float32 bound is {safe!r} and a constant may only tighten it: {need}"
+    )
+
+
+def _ordered(op: str, given: dict) -> None:
+    names = BY_NAME[op].constants
+    if "lo" in names and "hi" in names and given.keys() & {"lo", "hi"}:
+        lo = given.get("lo", _default32(op, "lo"))
+        hi = given.get("hi", _default32(op, "hi"))
+        if lo > hi:
+            raise ConfigError(f"nanpass: constants[{op!r}] gives lo = {lo!r} above hi = {hi!r}: "
+                              f"the {op} guard would have no operand left")
+
+
 def dynamic_dims_of(dynamic_dims) -> dict[int, str]:
     """Dims of the inputs that may vary; dim 0 (the batch) unless told otherwise."""
     if dynamic_dims is None:
@@ -185,7 +216,9 @@ def make_config(
                 raise ConfigError(
                     f"nanpass: constants[{op!r}][{name!r}] must be a finite number, got {v!r}"
                 )
+            _tightens(op, name, float(v))
             items.append((name, float(v)))
+        _ordered(op, dict(items))
         consts.append((op, tuple(sorted(items))))
     return Config(
         mode=mode,

@@ -53,7 +53,8 @@ exactly the incoming gradient there, and zero outside), maps +-inf to +-sat with
 a *finite-gradient fence* between the clamp and the op: identity forward; in backward a gradient
 that is not finite (the derivative of sqrt at 0, of acos at 1) becomes 0 — unless the gradient
 that arrived at the guard's result was already non-finite (a loss-scale overflow, a NaN from
-further up): a probe on the result records that on the device (no sync), and then the fence
+further up): the fence hands out a token, a 0-d zero tied to the guard's result, whose gradient
+is NaN exactly then (computed on the device, no sync, no Python state), and then the fence
 passes the gradient as it came, so GradScaler and StepGuard still see it. A guard zeroes only its
 own op's singular derivative (`tests/test_rule_contract.py`, `tests/test_mixed_precision.py`). The op never sees an
 unsafe operand, so the double-where trap (`torch.where(d != 0, x / d, 0)` has a NaN gradient at
@@ -61,7 +62,10 @@ d = 0, because 0 * inf = NaN) cannot happen.
 
 Constants come from `torch.finfo` of the operand and are rounded into its dtype (a fixed `1e-8`
 is 0 in float16; `1 - 1e-8` is exactly 1.0 in float32). Per-op overrides (`constants=`) may
-only tighten a bound: a value that rounds past the dtype's own safe bound is replaced by it.
+only tighten a bound: one that would loosen it in float32 (`{"log": {"lo": 0.0}}`, a `hi` that
+rounds to inf) is a `ConfigError` naming the bound, and so is a `lo` above its `hi`. In a
+narrower dtype, a value that rounds past that dtype's own safe bound (`1e-8` in float16) is
+replaced by it.
 
 Integer, bool and complex operands are never touched: the original op runs.
 """

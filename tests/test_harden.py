@@ -326,6 +326,14 @@ def test_constant_overrides_tighten_only():
         ({"constants": {"log": {"eps": 1.0}}}, "op 'log' has no constant 'eps'; its constants: 'lo', 'hi'"),
         ({"constants": {"log": {"lo": "tiny"}}}, "constants['log']['lo'] must be a finite number"),
         ({"constants": {"nope": {}}}, "unknown op 'nope' in constants"),
+        # constants may only tighten a bound (docs/guards.md): loosening ones are errors
+        ({"constants": {"log": {"lo": 0.0}}}, "constants['log']['lo'] = 0.0 would loosen the log guard; "
+         "its float32 bound is 1.1754943508222875e-38 and a constant may only tighten it: lo >= "),
+        ({"constants": {"log": {"lo": -1.0}}}, "constants['log']['lo'] = -1.0 would loosen the log guard"),
+        ({"constants": {"log": {"hi": 1e39}}}, "constants['log']['hi'] = 1e+39 (float32 rounds it to inf) "
+         "would loosen the log guard"),
+        ({"constants": {"acos": {"hi": 1.5}}}, "constants['acos']['hi'] = 1.5 would loosen the acos guard"),
+        ({"constants": {"log": {"lo": 2.0, "hi": 1.0}}}, "constants['log'] gives lo = 2.0 above hi = 1.0"),
     ],
 )
 def test_config_errors(kwargs, needle):
