@@ -90,6 +90,7 @@ class Sites:
         self._runs: dict = {}  # site key -> (the callable that runs the call, its decision)
         self._seen: set = set()  # (site key, action, reason) already recorded
         self._changes_by_key: dict = {}
+        self._pending: dict = {}  # site key -> its Counter, until the guard first runs
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
 
@@ -157,6 +158,11 @@ class Sites:
             self._note(key, rule, sp, module, frame, "left", "", why, args)
             return sp.call(*args, **kwargs)
         change = self._note(key, rule, sp, module, frame, *decision, args)
+        if change is not None and key in self._pending:
+            counter = self._pending.pop(key)
+            counter.change = change
+            with self._lock:
+                self.counters.append(counter)
         if self.sampling and key is not None and decision[0] == "guarded":
             counter = self._sampled.get(key)
             if counter is None:
@@ -238,10 +244,10 @@ class Sites:
         else:
             run = make_guard(rule, sp, cfg.consts(rule.name) if rule.constants else None)
             if cfg.count and key is not None:
-                counter = Counter(self._note(key, rule, sp, module, frame, *action, args))
+                # listed (and given its Change) on the first call the guard really runs: a site
+                # whose calls are all statically safe is reported left, never guarded
+                counter = self._pending[key] = Counter(None)
                 run = counted(run, counter)
-                with self._lock:
-                    self.counters.append(counter)
         if key is not None:
             self._runs[key] = (run, action)
         return run, action

@@ -224,6 +224,47 @@ def test_guard_statistics_count_changed_elements_on_the_device():
     assert str(nanpass.stats(safe)).splitlines()[1].startswith("log")  # most changed first
 
 
+class Cube(nn.Module):
+    """gelu_new's torch.pow(x, 3.0): guarded in float16 (past 40 it overflows), left as written
+    in float32 (past 7e12 only)."""
+
+    def forward(self, x):
+        return torch.pow(x, 3.0)
+
+
+@pytest.mark.parametrize("count", [False, True])
+def test_the_report_says_what_each_site_really_did(count):
+    """A site that is never guarded is reported left, not guarded, and has no statistics row;
+    a site that takes both actions (its dtype changes between calls) is counted once for each."""
+    safe = nanpass.harden(Cube(), count=count)
+    safe(torch.randn(4))
+    report = nanpass.report(safe)
+    assert [(c.op, c.action) for c in report.changes] == [("pow", "left")]
+    assert report.summary().endswith("0 guarded, 0 stable forms, 1 left alone")
+    if count:
+        assert nanpass.stats(safe).rows == []
+    safe(torch.randn(4, dtype=torch.float16))
+    report = nanpass.report(safe)
+    assert sorted((c.op, c.action, c.dtype) for c in report.changes) == [
+        ("pow", "guarded", "float16"), ("pow", "left", "float32")]
+    assert report.summary().endswith("1 guarded, 0 stable forms, 1 left alone")
+    if count:
+        assert [(r.op, r.calls) for r in nanpass.stats(safe).rows] == [("pow", 1)]
+
+
+def test_hf_gpt2_gelu_cube_is_reported_left_in_float32():
+    """The issue's case: Hugging Face GPT-2's gelu_new in float32, counted."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import build
+
+    model, batch = build("gpt2")
+    safe = nanpass.harden(model, count=True)
+    safe(**batch).loss.backward()
+    pows = {(c.module, c.action) for c in safe.changes if c.op == "pow"}
+    assert pows == {("transformer.h.0.mlp.act", "left"), ("transformer.h.1.mlp.act", "left")}
+    assert all(r.op != "pow" and r.calls >= 1 for r in nanpass.stats(safe).rows)
+
+
 def test_stats_needs_count():
     with pytest.raises(nanpass.NanpassError, match=r"^nanpass: stats\(\) needs a model hardened with count=True"):
         nanpass.stats(nanpass.harden(Stat()))
