@@ -165,8 +165,11 @@ def bench_compiled(model, batch, repeats, shapes=False):
     # torch.compile(nanpass.harden(model)): the guards traced into inductor's graph by dynamo
     hard = torch.compile(nanpass.harden(model), backend="inductor")
     train_step(hard, batch)()
+    # compiled check mode: names the op where a NaN/Inf is born, forward and backward
+    chk = torch.compile(model, backend=nanpass.backend(mode="check"))
+    train_step(chk, batch)()
     fns = {"inductor": train_step(ind, batch), "nanpass": train_step(npb, batch),
-           "harden": train_step(hard, batch)}
+           "harden": train_step(hard, batch), "check": train_step(chk, batch)}
     if shapes:  # shape asserts: checked when a graph compiles, so nothing per call
         sh = torch.compile(model, backend=nanpass.backend(shape_checks=True))
         train_step(sh, batch)()
@@ -174,7 +177,9 @@ def bench_compiled(model, batch, repeats, shapes=False):
     t = interleaved(fns, repeats)
     out = {"inductor_ms": t["inductor"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3,
            "ratio": t["nanpass"] / t["inductor"], "compiled_harden_ms": t["harden"] * 1e3,
-           "compiled_harden_ratio": t["harden"] / t["inductor"], "compile_s_inductor": t_ind,
+           "compiled_harden_ratio": t["harden"] / t["inductor"],
+           "compiled_check_ms": t["check"] * 1e3, "compiled_check_ratio": t["check"] / t["inductor"],
+           "compile_s_inductor": t_ind,
            "compile_s_nanpass": t_np, "compile_ratio": t_np / t_ind}
     if shapes:
         out["shape_checks_ratio"] = t["shapes"] / t["inductor"]
@@ -323,6 +328,8 @@ def main():
               f"  vs inductor{extra}; compile {x['compile_s_inductor']:.1f}s vs {x['compile_s_nanpass']:.1f}s")
         print(f"{name:26} {'compile(harden)':16} {x['inductor_ms']:10.2f} {x['compiled_harden_ms']:11.2f} "
               f"{x['compiled_harden_ratio']:7.3f}  vs inductor")
+        print(f"{name:26} {'compiled check':16} {x['inductor_ms']:10.2f} {x['compiled_check_ms']:11.2f} "
+              f"{x['compiled_check_ratio']:7.3f}  vs inductor (mode='check')")
     for row in results["first_call"]:
         print(f"first call, GPT-2 {row['layers']:2d} layers: plain {row['plain_s'] * 1e3:.0f} ms, "
               f"harden() + first call {row['nanpass_s'] * 1e3:.0f} ms, dynamo (eager backend) "

@@ -10,6 +10,8 @@ device per op: a debugging mode, not one to train with.
 
 from __future__ import annotations
 
+import collections
+
 import contextvars
 import warnings
 from dataclasses import dataclass, field
@@ -229,52 +231,49 @@ def check_state(model: torch.nn.Module, warn: bool) -> None:
                   f"step or a checkpoint put it there ({describe(t)})", (describe(t),)), warn)
 
 
-def created_flag(out, *inputs):
-    """0-dim bool tensor: ``out`` holds a NaN its operands did not, or an Inf from finite
-    operands. Tensor ops only (no host sync): the compiled check mode fuses it into the graph."""
-    outs = [o for o in _float_tensors((out,))]
-    ins = [t for t in _float_tensors(inputs)]
-    false = torch.zeros((), dtype=torch.bool, device=outs[0].device) if outs else None
-    if false is None:
-        return torch.zeros((), dtype=torch.bool)
-    nan_in, nonfinite_in = false, false
-    for t in ins:
-        nan_in = nan_in | (t != t).any()
-        nonfinite_in = nonfinite_in | ~(t.abs() <= torch.finfo(t.dtype).max).all()
-    bad = false
-    for o in outs:
-        nan = (o != o).any()
-        inf = (o.abs() == float("inf")).any()
-        bad = bad | (nan & ~nan_in) | (inf & ~nonfinite_in)
+def nonfinite_flag(*tensors):
+    """0-dim bool tensor: any of ``tensors`` (a compiled graph's floating outputs) holds a NaN
+    or an Inf. One reduction each, fused by inductor into the kernels that make them."""
+    bad = torch.zeros((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    for t in tensors:
+        bad = bad | ~(t.abs() <= torch.finfo(t.dtype).max).all()  # false for NaN and Inf
     return bad
 
 
-created_flag.__module__ = "nanpass"
+nonfinite_flag.__module__ = "nanpass"
 
 
-def first_flag(first, bad, index: int, none: int):
-    """The smallest index whose flag is set: the first op, in graph order, that made a NaN/Inf."""
-    return torch.minimum(first, torch.where(bad, index, none))
-
-
-first_flag.__module__ = "nanpass"
+_PENDING = 8  # forwards whose backward check may still be waiting (pipelined micro-batches)
 
 
 def flagged(compiled, sites: list, warn: bool, eager=None):
-    """Wrap a compiled graph whose last output is the first bad op's index: one sync per call.
-    Backward: one fused check of every input gradient, in a hook, once per backward; only when
-    it finds a NaN/Inf, the step is re-run eagerly through ``eager`` (the same graph with the
-    eager checkers) with the same upstream gradients, which names the op."""
-    none = len(sites)
+    """Wrap a compiled graph whose last output says whether any of its floating outputs is
+    non-finite: one fused check and one sync per call. Only when it fires is the graph re-run
+    eagerly through ``eager`` (the same graph with the eager checkers), which names the op, its
+    module and source line. Backward: one fused check of every input gradient, in a hook, once
+    per backward; only when it fires, the step is re-run eagerly with the same upstream
+    gradients."""
+    # a multi-grad hook on leaves (the parameters) lives until removed: each is removed when it
+    # fires, and at most a few wait for a backward (forwards with grad and no backward)
+    pending: collections.deque = collections.deque()
 
-    def check(first):
-        i = int(first)
-        if i < none:
-            site = sites[i]
-            _report(Event("forward", "NaN/Inf", True, site,
-                          f"nanpass: NaN or Inf created by {site} (found by the compiled check; "
-                          "nanpass.harden(model, mode='check') re-runs it eagerly with operand details)"),
-                    warn)
+    def check(bad, args):
+        if not bool(bad):  # the one sync
+            return
+        found: list[Event] = []
+        token = COLLECT.set(found)
+        try:
+            with torch.no_grad():
+                eager(*args)
+        finally:
+            COLLECT.reset(token)
+        if not found:  # not reproduced (an RNG draw, a nondeterministic kernel)
+            found = [Event("forward", "NaN/Inf", True, None,
+                           "nanpass: NaN or Inf in an output of a compiled graph, which an eager "
+                           "re-run of the graph did not reproduce (a random draw such as dropout?); "
+                           "nanpass.harden(model, mode='check') checks every op as it runs")]
+        for event in found:
+            _report(event, warn)
 
     def watch_backward(args, outs):
         inputs = [a for a in args if isinstance(a, Tensor) and a.requires_grad]
@@ -286,6 +285,7 @@ def flagged(compiled, sites: list, warn: bool, eager=None):
             o.register_hook(lambda g, k=k: upstream.__setitem__(k, g))
 
         def after(grads):
+            handle.remove()
             grads = [g for g in grads if g is not None and g.is_floating_point()]
             if not grads:
                 return
@@ -301,11 +301,14 @@ def flagged(compiled, sites: list, warn: bool, eager=None):
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
-        torch.autograd.graph.register_multi_grad_hook(inputs, after)
+        handle = torch.autograd.graph.register_multi_grad_hook(inputs, after)
+        pending.append(handle)
+        while len(pending) > _PENDING:
+            pending.popleft().remove()
 
     def run(*args):  # dynamo calls what a backend returns with the flat inputs
         outs = list(compiled(*args))
-        check(outs.pop())
+        check(outs.pop(), args)
         if torch.is_grad_enabled():
             watch_backward(args, outs)
         return outs

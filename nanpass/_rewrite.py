@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from . import _stable
-from ._check import Site, check_input, checked, created_flag, first_flag
+from ._check import Site, check_input, checked, nonfinite_flag
 from ._config import Config
 from ._constants import memo
 from ._errors import RewriteError
@@ -218,31 +218,39 @@ def _check_graph(gm: fx.GraphModule, config: Config, record) -> None:
 
 
 def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
-    """The compiled check mode: after every op of the rule table, a device-side flag; the
-    index of the first op that made a NaN/Inf becomes an extra graph output (no sync per op)."""
+    """The compiled check mode: one fused finiteness check of the graph's floating outputs,
+    an extra graph output (one sync per call); the op is named by an eager re-run only when
+    it fires (``_check.flagged``). Every op of the rule table is recorded as checked."""
     graph = gm.graph
     nodes = list(graph.nodes)
-    checked_nodes = []
     for node in nodes:
         hit = match(node, gm)
         if hit is None or not hit[0].guarded or node.op == "call_module":
             continue
         rule, sp = hit
         sites.append(_site(node, gm, rule, sp))
-        checked_nodes.append(node)
         record(node, node.name, rule.name, sp.name, "checked",
-               "flags a NaN/Inf on the device; one sync per call", rule.reason)
+               "one fused NaN/Inf check of the graph's outputs and gradients; an eager re-run "
+               "names the op when it fires", rule.reason)
     output = next(n for n in nodes if n.op == "output")
-    with graph.inserting_before(output):
-        first = graph.call_function(torch.full, ((), len(sites)), {"dtype": torch.int64})
-        for i, node in enumerate(checked_nodes):
-            inputs = [a for a in node.all_input_nodes]
-            bad = graph.call_function(created_flag, (node, *inputs))
-            first = graph.call_function(first_flag, (first, bad, i, len(sites)))
     outs = output.args[0]
-    output.args = ((*outs, first) if isinstance(outs, (tuple, list)) else (outs, first),)
+    floats = [n for n in _flat_nodes(outs) if _is_float_node(n)]
+    with graph.inserting_before(output):
+        bad = graph.call_function(nonfinite_flag, tuple(floats))
+    output.args = ((*outs, bad) if isinstance(outs, (tuple, list)) else (outs, bad),)
     graph.lint()
     gm.recompile()
+
+
+def _flat_nodes(arg) -> list:
+    found: list = []
+    fx.node.map_arg(arg, found.append)
+    return found
+
+
+def _is_float_node(node: fx.Node) -> bool:
+    v = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(v, Tensor) and v.is_floating_point()
 
 
 def _static_non_float(node: fx.Node) -> str | None:
