@@ -148,6 +148,26 @@ def test_compiled_check_mode_flags_on_the_device(inner):
     assert all(c.action == "checked" for c in be.changes)
 
 
+def test_compiled_check_mode_checks_each_backward_once(monkeypatch):
+    """The backward check is a hook on the parameters: one check per backward, however many
+    steps ran before (a hook left on a parameter after it fired made every later step pay
+    for all earlier ones)."""
+    import nanpass._check as check
+
+    calls = []
+    real = check.foreach_norm
+    monkeypatch.setattr(check, "foreach_norm", lambda ts: calls.append(1) or real(ts))
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    compiled = torch.compile(model, backend=nanpass.backend(inner="aot_eager", mode="check"))
+    per_step = []
+    for _ in range(6):
+        before = len(calls)
+        compiled(torch.randn(3, 4)).sum().backward()
+        per_step.append(len(calls) - before)
+    assert per_step == [1] * 6
+
+
 class Layer(nn.Module):
     def __init__(self, bad: bool = False):
         super().__init__()
