@@ -140,7 +140,9 @@ def pow_domain(p: float, dtype: torch.dtype) -> PowDomain | None:
     m = _walk(start, dtype, math.inf, ok)
     if integer:
         return PowDomain(lo=None, hi=None, away=m)
-    return PowDomain(lo=m, hi=fi.max)
+    # no upper bound: x ** p -> 0 as x -> +inf, with a derivative -> 0 (the original's own
+    # finite value there, which a clamp at max would turn into max ** p)
+    return PowDomain(lo=m, hi=None)
 
 
 for _dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

@@ -112,10 +112,11 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(0.0, -1.0, 4.0)), operands(tensor(0.25, 1.0, 4.0))),
     ),
     Rule(
-        "rsqrt", g.clamped("lo", "hi"),
+        "rsqrt", g.clamped("lo", None),
         reason="rsqrt of 0 is inf, of a negative number NaN",
-        action="operand clamped to [tiny, max]",
-        functions=("torch.rsqrt",), methods=("rsqrt",), inplace=True, constants=TINY_MAX,
+        action="operand clamped to at least tiny (rsqrt(+inf) = 0 is the original's)",
+        functions=("torch.rsqrt",), methods=("rsqrt",), inplace=True,
+        constants={"lo": lambda b: b.tiny},
         sample=Sample(operands(tensor(0.0, -1.0, 4.0)), operands(tensor(0.25, 1.0, 4.0))),
     ),
     Rule(

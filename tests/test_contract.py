@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+import nanpass
 from nanpass._config import make_config
 from nanpass._constants import bounds, pow_domain
 from nanpass._rewrite import make_guard
@@ -178,7 +179,7 @@ def test_pow_scalar_exponent(dtype, p, data):
         if dom.away:
             inside &= xs.abs() >= dom.away
         else:
-            inside &= (xs >= dom.lo) & (xs <= dom.hi)
+            inside &= (xs >= dom.lo) & (xs <= (dom.hi if dom.hi is not None else math.inf))
     assert_same_where(outs[0], ref, inside, "value")
     assert_same_where(grads[0], rg, inside, "gradient")
 
@@ -406,3 +407,20 @@ def test_out_argument_gets_the_guarded_value():
     g, _ = guard("log")
     y = torch.empty(2)
     assert g(torch.tensor([0.0, 1.0]), out=y) is y and finite(y).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("call", ["x ** -0.5", "x ** -1.5", "torch.rsqrt(x)"])
+def test_the_originals_bits_at_plus_inf_and_max(call, dtype):
+    """x ** -0.5 and rsqrt are 0 at +inf, and x ** -1.5 at +inf and max: finite, so the guard
+    must return exactly that (a clamp at max gave max ** p, or sat). Issue 19, item 1."""
+
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            return eval(call)
+
+    x = torch.tensor([float("inf"), torch.finfo(dtype).max, 4.0], dtype=dtype, requires_grad=True)
+    plain, safe = Net()(x), nanpass.harden(Net())(x)
+    assert torch.equal(safe, plain), (safe, plain)
+    (gp,), (gs,) = torch.autograd.grad(plain.sum(), x), torch.autograd.grad(safe.sum(), x)
+    assert torch.equal(gs, gp)
