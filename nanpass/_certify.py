@@ -87,6 +87,12 @@ _EXACT = {"where", "masked_fill", "clamp", "clip", "clamp_min", "clamp_max", "re
           "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
           "_scaled_dot_product_attention_math", "scaled_dot_product_attention"}
+# composite kernels (several roundings, terms of either sign): the exact result's sign may flip
+_COMPOSITE = {"lerp", "addcmul", "addcdiv"}
+# the range each kernel keeps by construction (1 / (1 + exp(-x)) <= 1): a widened bound is cut to it
+_RANGE = {"sigmoid": (0.0, 1.0), "tanh": (-1.0, 1.0), "erf": (-1.0, 1.0), "erfc": (0.0, 2.0),
+          "exp": (0.0, INF), "exp2": (0.0, INF), "expm1": (-1.0, INF), "softplus": (0.0, INF),
+          "cosh": (1.0, INF), "hardsigmoid": (0.0, 1.0), "relu6": (0.0, 6.0), "abs": (0.0, INF)}
 _TRANSCENDENTAL = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "pow", "float_power",
                    "sigmoid", "tanh", "erf", "erfc", "erfinv", "atan", "asin", "acos", "atanh", "asinh",
                    "acosh", "sinh", "cosh", "softplus", "gelu", "silu", "mish", "logit", "elu",
@@ -425,7 +431,7 @@ class Analysis(TorchDispatchMode):
             elif not dst.is_floating_point():
                 b = iv.widen(b, dst.dtype)
             results = [b]
-        elif not seeded and all(b.is_point() for b in in_boxes):
+        elif not seeded and all(b.known() for b in in_boxes):
             results = [Box.point(t) for t in outs]  # constants in, the concrete value out: exact
         else:
             results = self.transfer(func, name, base, args, kwargs, out if not mutated else mutated[0])
@@ -469,15 +475,35 @@ class Analysis(TorchDispatchMode):
         t = iv.TRANSFER.get(base)
         if t is None:
             return [None] * len(outs)
-        r = t(self.box, args, kwargs, out)
+        r = t(self._operand_boxes(args, out), args, kwargs, out)
         if r is None:
             return [None] * len(outs)
         r = iv._outs(r) if isinstance(r, (list, tuple)) else [r]
         if base not in _EXACT:
             k = 8.0 if base in _TRANSCENDENTAL else 2.0
-            r = [iv.widen(b, o.dtype, k=k) if b is not None and isinstance(o, Tensor) else b
+            keep = base not in _COMPOSITE
+            r = [iv.widen(b, o.dtype, k=k, keep_sign=keep) if b is not None and isinstance(o, Tensor) else b
                  for b, o in zip(r, outs, strict=False)]
+        if base in _RANGE and r and r[0] is not None:
+            r[0] = iv.within(r[0], *_RANGE[base])
         return r
+
+    def _operand_boxes(self, args, out):
+        """``box`` for a transfer function, with each operand the kernel converts first (a
+        Python number, a 0-d tensor or an integer tensor of another dtype) rounded as the
+        kernel rounds it: into the dtype it computes in."""
+        dtype = next((t.dtype for t in iv._outs(out) if isinstance(t, Tensor) and t.is_floating_point()), None)
+        if dtype is None:
+            dtype = next((t.dtype for t in _tensors(list(args)) if t.is_floating_point()), None)
+        if dtype is None or dtype == F64:
+            return self.box
+
+        def box(x):
+            b = self.box(x)
+            if b is None or isinstance(x, bool) or (isinstance(x, Tensor) and x.dtype in (dtype, torch.bool)):
+                return b
+            return iv.rounded_operand(b, dtype)
+        return box
 
     def _points(self, args, kwargs, base) -> bool:
         positions = iv.INDEXED[base]

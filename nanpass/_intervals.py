@@ -26,12 +26,17 @@ INF = math.inf
 
 
 class Box:
-    __slots__ = ("lo", "hi", "nan")
+    """Per-element [lo, hi] and a may-be-NaN flag. ``exact``: the box is a concrete value (the
+    sign of each zero is known); an interval [0, 0] computed by a transfer function or given as
+    a range holds -0.0 as well, so 1 / x there is -inf as well as +inf."""
 
-    def __init__(self, lo: Tensor, hi: Tensor, nan: Tensor | None = None):
+    __slots__ = ("lo", "hi", "nan", "exact")
+
+    def __init__(self, lo: Tensor, hi: Tensor, nan: Tensor | None = None, exact: bool = False):
         self.lo = lo
         self.hi = hi
         self.nan = torch.zeros_like(lo) if nan is None else nan
+        self.exact = exact
 
     @staticmethod
     def point(t) -> Box:
@@ -42,10 +47,14 @@ class Box:
         isnan = torch.isnan(v)
         lo = torch.where(isnan, -INF, v)
         hi = torch.where(isnan, INF, v)
-        return Box(lo, hi, isnan.to(F64))
+        return Box(lo, hi, isnan.to(F64), exact=True)
 
     def is_point(self) -> bool:
         return bool((self.lo == self.hi).all()) and not bool(self.nan.any())
+
+    def known(self) -> bool:
+        """A single value, signed zeros included: the op's concrete result is its box."""
+        return self.is_point() and (self.exact or not bool((self.lo == 0).any()))
 
     def finite(self) -> bool:
         return bool(torch.isfinite(self.lo).all() and torch.isfinite(self.hi).all()) and not bool(self.nan.any())
@@ -100,10 +109,17 @@ def _eps(dtype: torch.dtype) -> tuple[float, float, float]:
     return float(fi.eps), float(fi.tiny), float(fi.max)
 
 
-def widen(b: Box, dtype: torch.dtype, k: float = 2.0, n: int = 1, mag: Tensor | None = None) -> Box:
+def widen(b: Box, dtype: torch.dtype, k: float = 2.0, n: int = 1, mag: Tensor | None = None,
+          keep_sign: bool | Tensor = False) -> Box:
     """Outward rounding for a result in ``dtype``: ``k`` ulps relative (plus float64's own
     rounding), ``n`` accumulated roundings of a sum whose terms are bounded by ``mag``, the
-    dtype's smallest normal absolute (underflow, flush to zero); past max becomes +-inf."""
+    dtype's smallest normal absolute (underflow, flush to zero); past max becomes +-inf.
+
+    A correctly rounded op (k <= 2, n = 1) never rounds an exact value at most max to inf; an
+    op with a larger error (a transcendental kernel, a sum) may, once its error reaches max.
+    ``keep_sign`` (True, or a per-element mask): the kernel keeps the exact result's sign (one
+    rounding of the result, or a sum of terms of one sign), so a bound >= 0 stays >= 0 and a
+    bound <= 0 stays <= 0 (a mean of squares is never negative)."""
     if dtype == torch.bool:
         return Box(b.lo.clamp(0, 1), b.hi.clamp(0, 1), torch.zeros_like(b.nan))
     lo, hi = _clean(b.lo, b.hi)
@@ -117,16 +133,43 @@ def widen(b: Box, dtype: torch.dtype, k: float = 2.0, n: int = 1, mag: Tensor | 
         acc = (n + 1) * (eps + torch.finfo(F64).eps) * mag
         err_lo = err_lo + acc
         err_hi = err_hi + acc
-    # round to nearest never passes max from an exact value at most max: only a bound past max
-    # (before widening) may be inf; a widened bound is capped at max
-    over_hi, over_lo = hi > mx, lo < -mx
-    lo = torch.where(torch.isfinite(lo), lo - err_lo, lo)
-    hi = torch.where(torch.isfinite(hi), hi + err_hi, hi)
-    lo = torch.where(over_lo, -INF, lo.clamp(min=-mx))
-    hi = torch.where(over_hi, INF, hi.clamp(max=mx))
+    if k <= 2 and n <= 1 and mag is None:
+        over_hi, over_lo = hi > mx, lo < -mx
+    else:  # the kernel's error may carry a value within its error of max past it
+        over_hi, over_lo = hi + err_hi > mx, lo - err_lo < -mx
+    pos, neg = b.lo >= 0, b.hi <= 0
+    lo_w = torch.where(torch.isfinite(lo), lo - err_lo, lo)
+    hi_w = torch.where(torch.isfinite(hi), hi + err_hi, hi)
+    if keep_sign is not False:
+        lo_w = torch.where(pos & keep_sign, torch.maximum(lo_w, torch.zeros_like(lo_w)), lo_w)
+        hi_w = torch.where(neg & keep_sign, torch.minimum(hi_w, torch.zeros_like(hi_w)), hi_w)
+    lo = torch.where(over_lo, -INF, lo_w.clamp(min=-mx))
+    hi = torch.where(over_hi, INF, hi_w.clamp(max=mx))
     lo = torch.where(lo > mx, mx, lo)  # a lower bound past max: the value may round to max
     hi = torch.where(hi < -mx, -mx, hi)
     return Box(lo, hi, b.nan)
+
+
+def within(b: Box, lo: float = -INF, hi: float = INF) -> Box:
+    """``b`` cut to an op's range that its kernel keeps by construction (sigmoid in [0, 1],
+    a softmax in [0, 1], tanh in [-1, 1]): a widened bound never leaves it."""
+    return Box(b.lo.clamp(lo, hi), b.hi.clamp(lo, hi), b.nan)
+
+
+def rounded_operand(b: Box, dtype: torch.dtype) -> Box:
+    """An operand the kernel converts into ``dtype`` first (a Python number, a 0-d float64
+    tensor, an integer tensor): every value it may take, as given, in ``dtype`` and in float32
+    (the compute type of float16 and bfloat16 kernels). ``x + 1e-6`` on float32 adds
+    float32(1e-6) = 9.99999997e-07."""
+    if not dtype.is_floating_point or dtype == F64:
+        return b
+    los, his = [b.lo], [b.hi]
+    for dt in {dtype, torch.float32}:
+        los.append(b.lo.to(dt).to(F64))
+        his.append(b.hi.to(dt).to(F64))
+    lo = torch.stack(los).amin(0)
+    hi = torch.stack(his).amax(0)
+    return Box(lo, hi, b.nan, exact=b.exact and bool((lo == b.lo).all() and (hi == b.hi).all()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +324,21 @@ def powi(a: Box, p: float) -> Box:
     # fractional: NaN below 0
     if p > 0:
         return monotone(a, lambda t: t.pow(p), lo_dom=0.0)
-    return monotone(a, lambda t: t.pow(p), lo_dom=0.0, decreasing=True)
+    r = monotone(a, lambda t: t.pow(p), lo_dom=0.0, decreasing=True)
+    if p == -0.5:  # torch computes x ** -0.5 as rsqrt: rsqrt(-0.0) = -inf
+        r = Box(torch.where(a.contains_zero(), -INF, r.lo), r.hi, r.nan)
+    return r
+
+
+def powi_rounded(a: Box, p: float, dtype: torch.dtype) -> Box:
+    """x ** p where the kernel may use p as given or rounded into ``dtype``/float32 (1.1 is
+    1.10000002 in float32): the hull of both."""
+    r = powi(a, p)
+    for dt in {dtype, torch.float32} if dtype.is_floating_point and dtype != F64 else ():
+        q = float(torch.tensor(p, dtype=F64).to(dt))
+        if q != p and math.isfinite(q):
+            r = join(r, powi(a, q))
+    return r
 
 
 def exp_box(a: Box) -> Box:
@@ -412,16 +469,21 @@ def logsumexp_box(a: Box, dim, keepdim=False) -> Box:
     return Box(lo, hi, nan)
 
 
-def var_box(a: Box, dim=None, correction=1, keepdim=False) -> Box:
+def var_box(a: Box, dim=None, correction=1, keepdim=False, dtype: torch.dtype = F64) -> Box:
+    """sum((x - m')^2) / (n - correction) with m' the mean as the kernel rounds it: m' = m + d,
+    |d| <= (n + 1) eps max|x|, and sum((x - m')^2) = sum((x - m)^2) + n d^2 <= n span^2 / 4 + n d^2
+    (x near 88.72 with a spread of 1e-3: d^2 is 6e-5 of the variance in float32)."""
     dims = _dims(a.lo, dim)
     n = _count(a.lo, dims)
     span = _red(a.hi, dims, keepdim, torch.amax) - _red(a.lo, dims, keepdim, torch.amin)
+    m = _red(torch.maximum(a.lo.abs(), a.hi.abs()), dims, keepdim, torch.amax)
+    d = (n + 1) * (_eps(dtype)[0] if dtype.is_floating_point else 0.0) * m
     nan = _red(a.nan, dims, keepdim, torch.amax)
     nan = torch.maximum(nan, torch.isnan(span).to(F64))
     dof = n - correction
     if dof <= 0:
         return Box(torch.zeros_like(span), torch.full_like(span, INF), torch.ones_like(span))
-    hi = span.square() * n / (4 * dof) if n > 1 else torch.zeros_like(span)
+    hi = (span.square() * n / 4 + n * d.square()) / dof if n > 1 else torch.zeros_like(span)
     hi = torch.where(torch.isnan(hi), INF, hi)
     nan = torch.maximum(nan, (span == INF).to(F64))
     return Box(torch.zeros_like(hi), hi, nan)
@@ -577,7 +639,8 @@ def structural(bx, func, args, kwargs, out, fill_args=None) -> list:
             a = fill_args(a)
         r = func(*a, **kw)
         res[which] = _outs(r)
-    return [Box(lo.to(F64), hi.to(F64), nan.to(F64)) if isinstance(lo, Tensor) else None
+    exact = all(b is not None and b.exact for b in boxes.values())  # moved constants stay known
+    return [Box(lo.to(F64), hi.to(F64), nan.to(F64), exact) if isinstance(lo, Tensor) else None
             for lo, hi, nan in zip(res["lo"], res["hi"], res["nan"], strict=True)]
 
 
@@ -608,12 +671,12 @@ _reg("reciprocal")(lambda bx, a, k, o: reciprocal(bx(a[0])))
 _reg("abs")(lambda bx, a, k, o: absolute(bx(a[0])))
 _reg("square")(lambda bx, a, k, o: powi(bx(a[0]), 2))
 _reg("relu")(lambda bx, a, k, o: clamp(bx(a[0]), 0.0))
+# bounds through bx: a number bound is the kernel's (clamp(x, 1e-6) in float32 is float32(1e-6))
 _reg("clamp", "clip")(lambda bx, a, k, o: clamp(
-    bx(a[0]), *[None if v is None else (bx(v) if isinstance(v, Tensor) else v)
-               for v in (_arg(a, k, 1, "min"), _arg(a, k, 2, "max"))]))
-_reg("clamp_min")(lambda bx, a, k, o: clamp(bx(a[0]), bx(a[1]) if isinstance(a[1], Tensor) else a[1]))
-_reg("clamp_max")(lambda bx, a, k, o: clamp(bx(a[0]), None, bx(a[1]) if isinstance(a[1], Tensor) else a[1]))
-_reg("hardtanh")(lambda bx, a, k, o: clamp(bx(a[0]), _arg(a, k, 1, "min_val", -1.0), _arg(a, k, 2, "max_val", 1.0)))
+    bx(a[0]), *[None if v is None else bx(v) for v in (_arg(a, k, 1, "min"), _arg(a, k, 2, "max"))]))
+_reg("clamp_min")(lambda bx, a, k, o: clamp(bx(a[0]), bx(a[1])))
+_reg("clamp_max")(lambda bx, a, k, o: clamp(bx(a[0]), None, bx(a[1])))
+_reg("hardtanh")(lambda bx, a, k, o: clamp(bx(a[0]), bx(_arg(a, k, 1, "min_val", -1.0)), bx(_arg(a, k, 2, "max_val", 1.0))))
 _reg("maximum", "fmax", "max.other")(lambda bx, a, k, o: maximum(bx(a[0]), bx(a[1])))
 _reg("minimum", "fmin")(lambda bx, a, k, o: minimum(bx(a[0]), bx(a[1])))
 _reg("where")(lambda bx, a, k, o: where(bx(a[0]), bx(a[1]), bx(a[2])))
@@ -686,12 +749,13 @@ TRANSFER["mish"] = lambda bx, a, k, o: with_min(bx(a[0]), torch.nn.functional.mi
 def _pow(bx, a, k, o):
     base, p = a[0], a[1]
     if isinstance(base, Tensor) and not isinstance(p, Tensor):
-        return powi(bx(base), float(p))
-    if not isinstance(base, Tensor):  # a number to a tensor power
-        b = float(base)
+        return powi_rounded(bx(base), float(p), o.dtype)
+    if not isinstance(base, Tensor):  # a number to a tensor power: the number as the kernel rounds it
+        b = rounded_operand(Box.point(float(base)), o.dtype)
         e = bx(p)
-        if b > 0:
-            return exp_box(mul(e, Box.point(math.log(b))))
+        blo, bhi = float(b.lo.min()), float(b.hi.max())
+        if blo > 0:
+            return exp_box(mul(e, Box(torch.tensor(math.log(blo), dtype=F64), torch.tensor(math.log(bhi), dtype=F64))))
         return None
     pb = bx(p)
     if pb.is_point() and pb.lo.numel() and bool((pb.lo == pb.lo.flatten()[0]).all()):
@@ -704,7 +768,10 @@ TRANSFER["float_power"] = _pow
 
 @_reg("nan_to_num")
 def _nan_to_num(bx, a, k, o):
-    return nan_to_num(bx(a[0]), o.dtype, _arg(a, k, 1, "nan", 0.0), _arg(a, k, 2, "posinf"), _arg(a, k, 3, "neginf"))
+    def r(v):  # the kernel casts each replacement into the dtype
+        return None if v is None else float(torch.tensor(float(v), dtype=F64).to(o.dtype))
+    return nan_to_num(bx(a[0]), o.dtype, r(_arg(a, k, 1, "nan", 0.0)), r(_arg(a, k, 2, "posinf")),
+                      r(_arg(a, k, 3, "neginf")))
 
 
 for _n in ("eq", "ne", "lt", "le", "gt", "ge"):
@@ -756,13 +823,24 @@ def _or(bx, a, k, o):
 
 
 # reductions
+def _one_sign(x: Box, dims, keepdim) -> Tensor:
+    """Where every term of a sum has one sign: the rounded partial sums keep it."""
+    if x.lo.numel() == 0:
+        return torch.ones((), dtype=torch.bool)
+    pos = _red((x.lo >= 0).to(F64), dims, keepdim, torch.amin) > 0
+    neg = _red((x.hi <= 0).to(F64), dims, keepdim, torch.amin) > 0
+    return pos | neg
+
+
 @_reg("sum")
 def _sum(bx, a, k, o):
-    b, n, mag = sum_box(bx(a[0]), _arg(a, k, 1, "dim"), _arg(a, k, 2, "keepdim", False))
+    x = bx(a[0])
+    dims, keep = _dims(x.lo, _arg(a, k, 1, "dim")), _arg(a, k, 2, "keepdim", False)
+    b, n, mag = sum_box(x, dims, keep)
     if not o.is_floating_point():
         return b
     b.nan = torch.maximum(b.nan, _overflow_nan(mag, o.dtype))
-    return widen(b, o.dtype, n=n, mag=mag)
+    return widen(b, o.dtype, n=n, mag=mag, keep_sign=_one_sign(x, dims, keep))
 
 
 @_reg("mean")
@@ -773,7 +851,8 @@ def _mean(bx, a, k, o):
     if n == 0:
         return top_like(o)
     b.nan = torch.maximum(b.nan, _overflow_nan(mag, o.dtype))
-    return widen(Box(b.lo / n, b.hi / n, b.nan), o.dtype, n=n, mag=mag / n)
+    return widen(Box(b.lo / n, b.hi / n, b.nan), o.dtype, n=n, mag=mag / n,
+                 keep_sign=_one_sign(x, dims, _arg(a, k, 2, "keepdim", False)))
 
 
 @_reg("amax")
@@ -825,11 +904,11 @@ def _var_op(name):
             unb = k.get("unbiased", True)
             corr = 1 if unb else 0
         keep = k.get("keepdim", False)
-        v = var_box(x, dim, float(corr), keep)
+        v = var_box(x, dim, float(corr), keep, a[0].dtype)
         n = max(_count(x.lo, _dims(x.lo, dim)), 1)
         v.nan = torch.maximum(v.nan, _overflow_nan(v.hi * n * 4, a[0].dtype))  # (x - mean)^2 sums past max
         res = v if name.startswith("var") else monotone(v, torch.sqrt, lo_dom=0.0)
-        res = widen(res, a[0].dtype, k=4, n=_count(x.lo, _dims(x.lo, dim)), mag=v.hi)
+        res = widen(res, a[0].dtype, k=4, n=_count(x.lo, _dims(x.lo, dim)), mag=v.hi, keep_sign=True)
         if name.endswith("_mean"):
             b, n, mag = sum_box(x, dim, keep)
             return [res, widen(Box(b.lo / max(n, 1), b.hi / max(n, 1), b.nan), a[0].dtype, n=n, mag=mag / max(n, 1))]
@@ -899,12 +978,12 @@ def _addmm(bx, a, k, o):
 
 @_reg("_softmax", "softmax")
 def _softmax(bx, a, k, o):
-    return widen(softmax_box(bx(a[0]), _arg(a, k, 1, "dim")), o.dtype, k=8)
+    return within(widen(softmax_box(bx(a[0]), _arg(a, k, 1, "dim")), o.dtype, k=8), 0.0, 1.0)
 
 
 @_reg("_log_softmax", "log_softmax")
 def _log_softmax(bx, a, k, o):
-    return widen(softmax_box(bx(a[0]), _arg(a, k, 1, "dim"), log=True), o.dtype, k=8)
+    return within(widen(softmax_box(bx(a[0]), _arg(a, k, 1, "dim"), log=True), o.dtype, k=8), hi=0.0)
 
 
 @_reg("native_layer_norm")
