@@ -20,7 +20,7 @@ from ._check import flagged
 from ._compat import dynamo_cache_entries, inner_compiler
 from ._config import Config, make_config
 from ._errors import ConfigError
-from ._rewrite import Change, GraphRecord, rewrite, rewrite_and_record
+from ._rewrite import Change, GraphRecord, rewrite, rewrite_and_record, untap
 from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
 
 OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inner",
@@ -110,9 +110,16 @@ def compile_graph(
     if config.shape_checks:
         record = _shape_checks(gm, record, config, {} if first_shapes is None else first_shapes)
     (keep or _COMPILED.append)(record)
+    probe = None
+    if gm.meta.get("nanpass_probe"):  # the graph's last input: see _check.tap
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        probe = tensors[0].device if tensors else torch.device("cpu")
+        example_inputs = [*example_inputs, torch.zeros((), device=probe, requires_grad=True)]
     compiled = _inner(inner, gm, example_inputs)
+    if probe is not None:
+        untap(gm)
     if sites is not None:
-        compiled = flagged(compiled, sites, warn=config.mode == "warn", eager=eager)
+        compiled = flagged(compiled, sites, warn=config.mode == "warn", eager=eager, probe=probe)
     # dynamo installs torch._dynamo.disable(compiled); where compiled is itself a disable
     # wrapper (aot_eager's, inductor's), that re-wraps the original callable and drops this
     # one: the record goes on both

@@ -243,16 +243,31 @@ def nonfinite_flag(*tensors):
 nonfinite_flag.__module__ = "nanpass"
 
 
+def tap(x, probe):
+    """``x`` to the bit (``probe`` is 0, and ``x - 0`` keeps -0.0, unlike ``x + 0``); in
+    backward, the gradient of ``probe`` becomes NaN when the gradient reaching ``x`` is not
+    finite (``sum(g) * 0``). The compiled check mode taps every operand of a checked op, so a
+    non-finite gradient born inside a compiled backward is seen even where a later op masks
+    it before a parameter. The 0 is ``probe.detach()``, not a literal: inductor folds a
+    product with a literal 0 and then sums the gradient after the mask."""
+    return x - (probe * probe.detach()).to(x.dtype)
+
+
+tap.__module__ = "nanpass"
+
+
 _PENDING = 8  # forwards whose backward check may still be waiting (pipelined micro-batches)
 
 
-def flagged(compiled, sites: list, warn: bool, eager=None):
+def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device | None = None):
     """Wrap a compiled graph whose last output says whether any of its floating outputs is
     non-finite: one fused check and one sync per call. Only when it fires is the graph re-run
     eagerly through ``eager`` (the same graph with the eager checkers), which names the op, its
     module and source line. Backward: one fused check of every input gradient, in a hook, once
-    per backward; only when it fires, the step is re-run eagerly with the same upstream
-    gradients."""
+    per backward, which also reads the ``probe`` input's gradient (``tap``: NaN when a checked
+    op's operand got a non-finite gradient inside the graph; ``probe`` is its device, None
+    where the graph has no taps); only when it fires, the step is re-run eagerly with the
+    same upstream gradients."""
     # a multi-grad hook on leaves (the parameters) lives until removed: each is removed when it
     # fires, and at most a few wait for a backward (forwards with grad and no backward)
     pending: collections.deque = collections.deque()
@@ -275,8 +290,8 @@ def flagged(compiled, sites: list, warn: bool, eager=None):
         for event in found:
             _report(event, warn)
 
-    def watch_backward(args, outs):
-        inputs = [a for a in args if isinstance(a, Tensor) and a.requires_grad]
+    def watch_backward(args, outs, tapped):
+        inputs = [a for a in (*args, *tapped) if isinstance(a, Tensor) and a.requires_grad]
         watched = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
         if eager is None or not inputs or not watched:
             return
@@ -307,10 +322,11 @@ def flagged(compiled, sites: list, warn: bool, eager=None):
             pending.popleft().remove()
 
     def run(*args):  # dynamo calls what a backend returns with the flat inputs
-        outs = list(compiled(*args))
+        tapped = () if probe is None else (torch.zeros((), device=probe, requires_grad=True),)
+        outs = list(compiled(*args, *tapped))
         check(outs.pop(), args)
         if torch.is_grad_enabled():
-            watch_backward(args, outs)
+            watch_backward(args, outs, tapped)
         return outs
 
     return run

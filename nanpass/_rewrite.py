@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from . import _stable
-from ._check import Site, check_input, checked, nonfinite_flag
+from ._check import Site, check_input, checked, nonfinite_flag, tap
 from ._config import Config
 from ._constants import memo
 from ._errors import RewriteError
@@ -223,6 +223,7 @@ def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
     it fires (``_check.flagged``). Every op of the rule table is recorded as checked."""
     graph = gm.graph
     nodes = list(graph.nodes)
+    probe = None
     for node in nodes:
         hit = match(node, gm)
         if hit is None or not hit[0].guarded or node.op == "call_module":
@@ -232,6 +233,10 @@ def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
         record(node, node.name, rule.name, sp.name, "checked",
                "one fused NaN/Inf check of the graph's outputs and gradients; an eager re-run "
                "names the op when it fires", rule.reason)
+        if torch.is_grad_enabled():
+            probe = _tap_operands(graph, node, sp, probe)
+    if probe is not None:
+        gm.meta["nanpass_probe"] = True
     output = next(n for n in nodes if n.op == "output")
     outs = output.args[0]
     floats = [n for n in _flat_nodes(outs) if _is_float_node(n)]
@@ -239,6 +244,43 @@ def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
         bad = graph.call_function(nonfinite_flag, tuple(floats))
     output.args = ((*outs, bad) if isinstance(outs, (tuple, list)) else (outs, bad),)
     graph.lint()
+    gm.recompile()
+
+
+def _tap_operands(graph: fx.Graph, node: fx.Node, sp: Spelling, probe: fx.Node | None):
+    """Route each floating operand of ``node`` that needs a gradient through ``_check.tap``
+    (not the one an in-place spelling writes into); the graph gains one input, the probe."""
+    first = 1 if sp.inplace else 0
+    args, kwargs = list(node.args), dict(node.kwargs)
+    slots = [(args, i) for i in range(first, len(args))] + [(kwargs, k) for k in kwargs]
+    for box, key in slots:
+        a = box[key]
+        v = a.meta.get("example_value", a.meta.get("val")) if isinstance(a, fx.Node) else None
+        if not (isinstance(v, Tensor) and v.is_floating_point() and v.requires_grad):
+            continue
+        if probe is None:
+            last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+            with graph.inserting_after(last):
+                probe = graph.placeholder("nanpass_probe")
+            probe._dynamo_source = None  # aot_autograd asks each input of a dynamo graph for one
+        with graph.inserting_before(node):
+            box[key] = graph.call_function(tap, (a, probe))
+    node.args, node.kwargs = tuple(args), kwargs
+    return probe
+
+
+def untap(gm: fx.GraphModule) -> None:
+    """Take the taps and the probe out again once the inner compiler has traced the graph:
+    dynamo reads its graph's inputs after the backend returns, and the probe is not one."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is tap:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.name == "nanpass_probe" and not node.users:
+            graph.erase_node(node)
+    gm.meta.pop("nanpass_probe", None)
     gm.recompile()
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -328,6 +330,60 @@ def test_compiled_backward_check_names_the_op(inner):
     with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: non-finite gradient created by the backward of "
                                                      r"torch.sqrt in <root> at .*test_check.py:\d+"):
         out.backward()
+
+
+class MaskedSqrt(nn.Module):
+    """sqrt at 0 behind a relu: the forward is finite, sqrt's backward makes 0/0, and relu's
+    backward masks it before the weights: the parameters' gradients are finite by luck."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return torch.where(h > 0, torch.sqrt(h), 0.0).sum()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_compiled_check_sees_a_backward_nan_that_a_later_op_masks(inner):
+    """Issue 20, item 4: the input needs no gradient and the NaN never reaches a parameter's
+    gradient, yet eager check mode names sqrt's backward; the compiled check mode must too
+    (each checked op's operand is tapped: one fused reduction per tap in the backward)."""
+    torch.manual_seed(0)
+    model = MaskedSqrt()
+    x = torch.randn(3, 4)
+    model(x).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())  # plain: finite
+    assert (torch.relu(model.fc(x)) == 0).any()
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: non-finite gradient created by the backward of torch.sqrt"):
+        nanpass.harden(model, mode="check")(x).backward()
+    compiled = torch.compile(model, backend=nanpass.backend(inner=inner, mode="check"))
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: non-finite gradient created by the backward of "
+                                                     r"torch.sqrt in <root> at .*test_check.py:\d+"):
+        compiled(x).backward()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_compiled_check_taps_change_no_bit(inner):
+    """The taps are x - 0 in forward and pass the gradient through: outputs and gradients
+    equal the plain compiled model's bit for bit, -0.0 included."""
+    torch.manual_seed(0)
+    model = Dist()
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(3, 4)
+    plain = torch.compile(model, backend=inner)(a, b)
+    plain.backward()
+    ref = a.grad.clone()
+    a.grad = None
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=nanpass.backend(inner=inner, mode="check"))(a, b)
+    out.backward()
+    assert torch.equal(out, plain) and torch.equal(a.grad, ref)
+    neg = torch.tensor([-0.0, 1.0], requires_grad=True)
+    torch._dynamo.reset()
+    y = torch.compile(lambda t: torch.atan2(t, -torch.ones(2)), backend=nanpass.backend(inner=inner, mode="check"))(neg)
+    assert y[0] == -math.pi  # atan2(-0.0, -1); x + 0 would have made it +pi
 
 
 @pytest.mark.parametrize("where", ["parameter", "buffer"])
