@@ -308,6 +308,14 @@ class Analysis(TorchDispatchMode):
         self.hardened = hardened
         self.paths = {id(m): name for name, m in root.named_modules()}
         self.trace: list | None = None  # (op, boxes of its results) per op, for the tests
+        self.taint: dict[int, tuple[Tensor, frozenset]] = {}  # value -> overflow sites it may carry
+        self.absorbed: set = set()  # overflow sites a guard saturated
+        self.escaped: set = set()  # overflow sites that reached an output or ended outside a guard
+        # relations the intervals lose: exp(t) -> (t, h) where it equals exp(t) for t <= h; a
+        # clamp(t, max=h) -> (t, h); t > c -> (t, c)
+        self.exp_of: dict[int, tuple] = {}
+        self.same_below: dict[int, tuple] = {}
+        self.gt_of: dict[int, tuple] = {}
 
     # -- boxes ------------------------------------------------------------------------------
     def box(self, x) -> Box | None:
@@ -361,7 +369,7 @@ class Analysis(TorchDispatchMode):
         line = src.f_lineno
         return path, f"{src.f_code.co_filename}:{line}", linecache.getline(src.f_code.co_filename, line).strip() or None, guard
 
-    def record(self, op, aten, verdict, operands, result, reason, grad="") -> None:
+    def record(self, op, aten, verdict, operands, result, reason, grad=""):
         module, source, code, guard = self._where()
         if guard is not None:
             if verdict == PROVEN and op != guard:
@@ -374,10 +382,11 @@ class Analysis(TorchDispatchMode):
         if v is None:
             self.sites[key] = Verdict(op, aten, verdict, operands, result, reason, module, source, code,
                                       guard_action, grad)
-            return
+            return key
         v.count += 1
         if _RANK[verdict] > _RANK[v.verdict]:
             v.verdict, v.aten, v.operands, v.result, v.reason, v.grad = verdict, aten, operands, result, reason, grad
+        return key
 
     # -- one op -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -414,6 +423,12 @@ class Analysis(TorchDispatchMode):
                             "the code reads a value that depends on the inputs (.item(), bool(t), "
                             "a comparison in Python): the analysis follows the branch of the example inputs")
             return
+        # an op that writes into buffers besides returning fresh results (batch_norm's running
+        # statistics): the results are its outputs, and the buffers may hold any value now
+        fresh = [t for t in _tensors(out) if not any(t is m for m in mutated)] if mutated else []
+        side = mutated if fresh else []
+        if side:
+            mutated = []
         outs = _tensors(out) if not mutated else [mutated[0]]
         if not outs:
             return
@@ -452,15 +467,83 @@ class Analysis(TorchDispatchMode):
             self.set(t, b)
         if mutated:
             self.alias(mutated[0], fixed[0])
-        self.judge(name, base, args, in_tensors, in_boxes, outs, fixed, seeded)
+        for t in side:
+            self.set(t, top_like(t))
+            self.alias(t, top_like(t))
+        site = self.judge(name, base, args, in_tensors, in_boxes, outs, fixed, seeded)
+        self.follow(in_tensors, outs, fixed, site)
+        self.relate(base, args, outs)
+
+    def _rel(self, table, t):
+        e = table.get(id(t)) if isinstance(t, Tensor) else None
+        return e if e is not None and e[0] is t else None
+
+    def relate(self, base, args, outs) -> None:
+        """Remember which values are exp(t) for t up to a bound (through the exp guard of a
+        hardened model: exp(clamp(t, max=h)), then sat where t > c)."""
+        if not outs or not args:
+            return
+        o, x = outs[0], args[0]
+        if base == "clamp" and len(args) >= 3 and args[1] is None and isinstance(args[2], (int, float)):
+            self.same_below[id(o)] = (o, x, float(args[2]))
+        elif base == "gt" and len(args) >= 2 and isinstance(args[1], (int, float)):
+            self.gt_of[id(o)] = (o, x, float(args[1]))
+        elif base == "exp":
+            e = self._rel(self.same_below, x)
+            self.exp_of[id(o)] = (o, e[1], e[2]) if e else (o, x, INF)
+        elif base == "where" and len(args) >= 3:
+            c, e = self._rel(self.gt_of, args[0]), self._rel(self.exp_of, args[2])
+            if c and e and c[1] is e[1]:
+                self.exp_of[id(o)] = (o, e[1], min(e[2], c[2]))
+
+    # -- overflow that a guard absorbs -----------------------------------------------------
+    def follow(self, in_tensors, outs, boxes, site) -> None:
+        """Carry the sites whose overflow a value may hold: a non-finite value passes them on; a
+        finite one ends them, absorbed by a guard of a hardened model (nan_to_num, a clamp) or,
+        outside a guard, by the model's own code (which certifies nothing)."""
+        if not self.hardened:
+            return
+        carried = set()
+        for t in in_tensors:
+            e = self.taint.get(id(t))
+            if e is not None and e[0] is t:
+                carried |= e[1]
+        if site is not None:
+            carried.add(site)
+        if not carried:
+            return
+        in_guard = self._where()[3] is not None
+        for t, b in zip(outs, boxes, strict=True):
+            if not t.is_floating_point() and not t.is_complex():
+                continue
+            if b.finite():
+                (self.absorbed if in_guard else self.escaped).update(carried)
+            else:
+                self.taint[id(t)] = (t, frozenset(carried))
+
+    def resolve(self, outputs) -> None:
+        """An overflow every one of whose values ended inside a guard is guarded."""
+        for t in outputs:
+            e = self.taint.get(id(t))
+            if e is not None and e[0] is t:
+                self.escaped |= e[1]
+        for key in self.absorbed - self.escaped:
+            v = self.sites.get(key)
+            if v is not None and v.verdict == UNSAFE:
+                v.verdict, v.grad = GUARDED, "unproven"
+                v.reason = f"{v.reason}; every such value reaches a guard of nanpass.harden that saturates it"
 
     def transfer(self, func, name, base, args, kwargs, out) -> list:
         outs = iv._outs(out)
         if base in iv.STRUCTURAL or (base in iv.INDEXED and self._points(args, kwargs, base)):
             f = getattr(torch.ops.aten, base, None)
             f = func if f is None or base == name else getattr(f, func._overloadname, f)
-            fill = None
-            return iv.structural(self.box, f, args, kwargs, out, fill)
+            index_ids = set()
+            for pos in iv.INDEXED.get(base, ()):
+                idx = args[pos] if len(args) > pos else None
+                index_ids.update(id(t) for t in _tensors(idx if isinstance(idx, (list, tuple)) else [idx])
+                                 if not t.is_floating_point())
+            return iv.structural(self.box, f, args, kwargs, out, None, frozenset(index_ids))
         if base in iv.INDEXED:
             if base in ("index_add", "scatter_add") or kwargs.get("accumulate") or \
                     (base in ("index_put", "_index_put_impl") and len(args) > 3 and args[3]):
@@ -475,7 +558,9 @@ class Analysis(TorchDispatchMode):
         t = iv.TRANSFER.get(base)
         if t is None:
             return [None] * len(outs)
-        r = t(self._operand_boxes(args, out), args, kwargs, out)
+        r = self.related(base, args, out)
+        if r is None:
+            r = t(self._operand_boxes(args, out), args, kwargs, out)
         if r is None:
             return [None] * len(outs)
         r = iv._outs(r) if isinstance(r, (list, tuple)) else [r]
@@ -487,6 +572,33 @@ class Analysis(TorchDispatchMode):
         if base in _RANGE and r and r[0] is not None:
             r[0] = iv.within(r[0], *_RANGE[base])
         return r
+
+    def related(self, base, args, out):
+        """Operands that are one value (x * x, x == x) or a value and its exp (p * log p's
+        cousin, the entropy's exp(l) * l): the intervals alone lose the relation."""
+        if len(args) < 2 or not isinstance(args[0], Tensor) or not isinstance(args[1], Tensor):
+            return None
+        a, b = args[0], args[1]
+        if a is b and base == "mul":
+            return iv.powi(self.box(a), 2)
+        if a is b and base in ("eq", "le", "ge", "ne", "lt", "gt"):
+            x = self.box(a)
+            nan = x.nan > 0
+            yes = base in ("eq", "le", "ge")
+            one, zero = torch.ones_like(x.lo), torch.zeros_like(x.lo)
+            if yes:  # x == x: true unless x is NaN
+                return Box(torch.where(nan, zero, one), one)
+            return Box(zero, torch.where(nan, one, zero) if base == "ne" else zero)  # NaN != NaN
+        if base == "mul" and out.is_floating_point():
+            for e, t in ((a, b), (b, a)):
+                src = self._rel(self.exp_of, e)
+                if src is not None and src[1] is t and e.shape == t.shape == out.shape:
+                    tb = self.box(t)
+                    p, q = iv.x_exp_x(tb), iv.mul(self.box(e), tb)
+                    below = tb.hi <= src[2]
+                    return Box(torch.where(below, p.lo, q.lo), torch.where(below, p.hi, q.hi),
+                               torch.where(below, p.nan, q.nan))
+        return None
 
     def _operand_boxes(self, args, out):
         """``box`` for a transfer function, with each operand the kernel converts first (a
@@ -524,7 +636,11 @@ class Analysis(TorchDispatchMode):
         for key, (other, ob) in list(self.env.items()):
             if other is t or other.device != t.device or _storage(other) != ptr:
                 continue
-            self.env[key] = (other, iv.join(ob, iv.hull_like(h, other)))
+            if (other.shape, other.stride(), other.storage_offset(), other.dtype) == \
+                    (t.shape, t.stride(), t.storage_offset(), t.dtype):
+                self.env[key] = (other, b)  # the same elements (a detached alias): overwritten
+            else:
+                self.env[key] = (other, iv.join(ob, iv.hull_like(h, other)))
 
     # -- verdicts ---------------------------------------------------------------------------
     def judge(self, name, base, args, in_tensors, in_boxes, outs, boxes, seeded) -> None:
@@ -561,11 +677,11 @@ class Analysis(TorchDispatchMode):
         if base in self.unmodelled:
             self.record(base, name, UNSAFE, operands, result,
                         "not modelled: the result is taken as the full range and NaN")
-        else:
-            nan = any(bool(b.nan.any()) for _, b in fl_out)
-            self.record(base, name, UNSAFE, operands, result,
-                        "finite operands can give NaN here" if nan else f"overflow: the result may exceed "
-                        f"{str(fl_out[0][0].dtype).replace('torch.', '')}'s max")
+            return None
+        nan = any(bool(b.nan.any()) for _, b in fl_out)
+        return self.record(base, name, UNSAFE, operands, result,
+                           "finite operands can give NaN here" if nan else f"overflow: the result may exceed "
+                           f"{str(fl_out[0][0].dtype).replace('torch.', '')}'s max")
 
     @staticmethod
     def grad(rule, base, args, fl_in, fl_out) -> str:
@@ -631,6 +747,7 @@ def analyse(model, example_inputs, specs, hardened=False, trace=False) -> tuple[
     with analysis:
         result = model(*inputs)
     out_boxes = [analysis.box(t) for t in _float_tensors(result)]
+    analysis.resolve(_float_tensors(result))
     return analysis, out_boxes
 
 

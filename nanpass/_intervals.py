@@ -133,8 +133,9 @@ def widen(b: Box, dtype: torch.dtype, k: float = 2.0, n: int = 1, mag: Tensor | 
         acc = (n + 1) * (eps + torch.finfo(F64).eps) * mag
         err_lo = err_lo + acc
         err_hi = err_hi + acc
-    if k <= 2 and n <= 1 and mag is None:
-        over_hi, over_lo = hi > mx, lo < -mx
+    if k <= 2 and n <= 1 and mag is None:  # rounds to inf from max + half an ulp of max on
+        half = 2.0 ** math.floor(math.log2(mx)) * eps / 2
+        over_hi, over_lo = hi * (1 + 1e-15) >= mx + half, lo * (1 + 1e-15) <= -mx - half
     else:  # the kernel's error may carry a value within its error of max past it
         over_hi, over_lo = hi + err_hi > mx, lo - err_lo < -mx
     pos, neg = b.lo >= 0, b.hi <= 0
@@ -589,6 +590,8 @@ STRUCTURAL = {
     "hstack", "vstack", "column_stack", "split_copy", "unbind_copy", "alias_copy", "as_strided_scatter",
     "repeat_interleave", "im2col", "hsplit", "vsplit", "tensor_split", "rot90", "fliplr", "flipud",
     "_conj", "resolve_conj", "resolve_neg", "positive", "new_empty_strided",
+    "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d",
+    "replication_pad3d", "_pad_circular", "col2im_off",
 }
 # selections by an index operand: exact when the index is known (a point), else the hull
 INDEXED = {"index_select": (2,), "gather": (2,), "index": (1,), "embedding": (1,), "take": (1,),
@@ -615,8 +618,9 @@ def _outs(out) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def structural(bx, func, args, kwargs, out, fill_args=None) -> list:
-    """Run the op itself on lo, hi and nan (exact for ops that only move elements)."""
+def structural(bx, func, args, kwargs, out, fill_args=None, index_ids=frozenset()) -> list:
+    """Run the op itself on lo, hi and nan (exact for ops that only move elements).
+    ``index_ids``: the operands that are indices (their point values in every pass)."""
     boxes = {}
 
     def part(which):
@@ -624,9 +628,11 @@ def structural(bx, func, args, kwargs, out, fill_args=None) -> list:
             b = boxes.get(id(t))
             if b is None:
                 b = boxes[id(t)] = bx(t)
-            if which == "nan" or t.is_floating_point() or t.dtype == torch.bool:
+            if id(t) in index_ids:
+                return b.lo.to(t.dtype).contiguous()  # an index: its (point) values
+            if which == "nan" or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
                 return getattr(b, which).to(F64).contiguous()
-            return getattr(b, which).to(t.dtype).contiguous()  # an index: its (point) values
+            return getattr(b, which).to(t.dtype).contiguous()
         return f
 
     res = {}
@@ -1093,3 +1099,239 @@ def _sdpa(bx, a, k, o):
     outs = _outs(o)
     main = sdpa_box(bx(a[0]), bx(a[1]), bx(a[2]), outs[0].dtype)
     return [main] + [top_like(t) if isinstance(t, Tensor) else None for t in outs[1:]]
+
+
+# ---------------------------------------------------------------------------------------------
+# relations the intervals alone lose, normalisation, linear algebra, FFT
+
+
+def x_exp_x(t: Box) -> Box:
+    """t * exp(t): decreasing to -1/e at t = -1, increasing after; 0 at t = -inf (exp
+    underflows to 0 first, so the kernel's product is -0.0 there, never -inf * 0)."""
+    def f(v):
+        return torch.where(v == -INF, torch.zeros_like(v), v * torch.exp(v))
+    r = with_min(t, f, -1.0, -math.exp(-1.0))
+    return Box(r.lo, r.hi, torch.maximum(t.nan, (t.hi == INF).to(F64)))
+
+
+def _mag(b: Box) -> Tensor:
+    return torch.maximum(b.lo.abs(), b.hi.abs())
+
+
+@_reg("linalg_vector_norm", "norm")
+def _vector_norm(bx, a, k, o):
+    """||x||_p over dims: between the norm of the smallest and of the largest magnitudes."""
+    x = bx(a[0])
+    p = _arg(a, k, 1, "ord", 2)
+    p = 2.0 if p is None else float(p)
+    dim = _arg(a, k, 2, "dim")
+    keep = bool(_arg(a, k, 3, "keepdim", False))
+    dims = _dims(x.lo, dim)
+    lo_m = torch.where(x.contains_zero(), torch.zeros_like(x.lo), torch.minimum(x.lo.abs(), x.hi.abs()))
+    hi_m = _mag(x)
+    if p == INF:
+        lo, hi = _red(lo_m, dims, keep, torch.amax), _red(hi_m, dims, keep, torch.amax)
+    elif p == -INF:
+        lo, hi = _red(lo_m, dims, keep, torch.amin), _red(hi_m, dims, keep, torch.amin)
+    elif p > 0:
+        lo = _red(lo_m, dims, keep, lambda t, dim, keepdim: torch.linalg.vector_norm(t, p, dim, keepdim))
+        hi = _red(hi_m, dims, keep, lambda t, dim, keepdim: torch.linalg.vector_norm(t, p, dim, keepdim))
+    else:
+        return None
+    n = max(_count(x.lo, dims), 1)
+    nan = _red(x.nan, dims, keep, torch.amax) if x.lo.numel() else torch.zeros_like(lo)
+    # the kernel sums |x|^p in the dtype: each term and the sum may overflow (||x|| near max)
+    return widen(Box(lo, hi, nan), o.dtype, k=4 * n + 4, keep_sign=True)
+
+
+def _norm_stats(x: Box, dims: list[int], eps: float, dtype: torch.dtype):
+    """(y bound, ok): |x_i - mean| / sqrt(var + eps) <= sqrt(N) over ``dims`` (N values)."""
+    n = _count(x.lo, dims)
+    mx = float(torch.finfo(dtype).max)
+    eps_d = float(torch.tensor(eps, dtype=dtype))
+    m = float(_mag(x).max()) if x.lo.numel() else 0.0
+    ok = eps_d > 0 and math.isfinite(m) and (2 * m) ** 2 * n * 4 < mx and not bool(x.nan.any())
+    return math.sqrt(n) * (1 + 1e-3), ok, eps_d, m
+
+
+@_reg("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+      "_native_batch_norm_legit_functional")
+def _batch_norm(bx, a, k, o):
+    """Training: batch statistics, |y - b| <= sqrt(N) |w| as layer_norm; eval: the running
+    statistics, (x - mean) * rsqrt(var + eps) * w + b elementwise (a negative running
+    variance is NaN)."""
+    x_t = a[0]
+    x = bx(x_t)
+    w = bx(a[1]) if isinstance(a[1], Tensor) else None
+    b = bx(a[2]) if isinstance(a[2], Tensor) else None
+    nums = [v for v in a[3:] if isinstance(v, (bool, float, int)) and not isinstance(v, bool)]
+    flags = [v for v in a[3:] if isinstance(v, bool)]
+    training = flags[0] if flags else False
+    eps = float(nums[-1]) if nums else 1e-5
+    rm = a[3] if len(a) > 3 and isinstance(a[3], Tensor) else None
+    rv = a[4] if len(a) > 4 and isinstance(a[4], Tensor) else None
+    outs = _outs(o)
+    shape = [1, -1] + [1] * (x_t.dim() - 2)
+    if training or rm is None or rv is None:
+        dims = [d for d in range(x_t.dim()) if d != 1]
+        root, ok, eps_d, m = _norm_stats(x, dims, eps, x_t.dtype)
+        if not ok:
+            return None
+        y = Box(torch.full(x.lo.shape, -root, dtype=F64), torch.full(x.lo.shape, root, dtype=F64))
+        mean = Box(torch.full(outs[1].shape, float(x.lo.min()), dtype=F64), torch.full(outs[1].shape, float(x.hi.max()), dtype=F64))
+        invstd = Box(torch.full(outs[2].shape, 1 / math.sqrt(((2 * m) ** 2 + eps_d) * 1.01), dtype=F64),
+                     torch.full(outs[2].shape, 1.01 / math.sqrt(eps_d), dtype=F64))
+    else:
+        mean_b = Box(*(t.reshape(shape) for t in (bx(rm).lo, bx(rm).hi, bx(rm).nan)))
+        var_b = Box(*(t.reshape(shape) for t in (bx(rv).lo, bx(rv).hi, bx(rv).nan)))
+        r = widen(powi(add(var_b, rounded_operand(Box.point(eps), x_t.dtype)), -0.5), x_t.dtype, k=8)
+        y = widen(mul(sub(x, mean_b), r), x_t.dtype, k=4)
+        mean = invstd = None
+    if w is not None:
+        y = mul(y, Box(*(t.reshape(shape) for t in (w.lo, w.hi, w.nan))))
+    if b is not None:
+        y = add(y, Box(*(t.reshape(shape) for t in (b.lo, b.hi, b.nan))))
+    y = Box(y.lo, y.hi, torch.maximum(y.nan, x.nan))
+    return [widen(y, outs[0].dtype, k=8), mean, invstd] + [None] * (len(outs) - 3)
+
+
+@_reg("_weight_norm_interface")
+def _weight_norm(bx, a, k, o):
+    """w = v * g / ||v|| (the norm over every dim but ``dim``): |w| <= |g|, NaN where a slice of
+    v may be all zero."""
+    v, g = bx(a[0]), bx(a[1])
+    dim = int(_arg(a, k, 2, "dim", 0))
+    outs = _outs(o)
+    dims = [d for d in range(v.lo.dim()) if d != dim % max(v.lo.dim(), 1)]
+    zero = _red(v.contains_zero().to(F64), dims, True, torch.amin) if dims else v.contains_zero().to(F64)
+    gm = _mag(g).reshape(zero.shape) if g.lo.numel() == zero.numel() else _mag(g).max().expand(zero.shape)
+    m = gm.expand(v.lo.shape)
+    nan = torch.maximum(torch.maximum(v.nan, zero.expand(v.lo.shape)), g.nan.max().expand(v.lo.shape))
+    w = widen(Box(-m, m, nan), outs[0].dtype, k=8)
+    hi = _red(_mag(v), dims, True, lambda t, dim, keepdim: torch.linalg.vector_norm(t, 2, dim, keepdim)) \
+        if dims else _mag(v)
+    norms = widen(Box(torch.zeros_like(hi), hi), outs[1].dtype, k=4 * max(v.lo.numel(), 1), keep_sign=True)
+    return [w, norms]
+
+
+def _frobenius(x: Box, batch: int) -> Tensor:
+    """||A||_F of each matrix: bounds its singular values, eigenvalues and R's entries."""
+    m = _mag(x)
+    return torch.linalg.matrix_norm(m, "fro") if m.dim() >= 2 else m
+
+
+def _unit(shape, slack: float) -> Box:
+    return Box(torch.full(shape, -1 - slack, dtype=F64), torch.full(shape, 1 + slack, dtype=F64))
+
+
+def _decomposition(kinds: str):
+    """svd / eigh / qr of finite matrices: orthonormal factors ("u") hold entries in [-1, 1];
+    singular values ("s"), eigenvalues ("e") and R's entries ("r") are bounded by ||A||_F
+    (LAPACK's backward error: a relative slack of 1e-3 covers n eps up to n = 8000 in float32)."""
+    def t(bx, a, k, o):
+        x = bx(a[0])
+        if not x.finite():
+            return None
+        fro = _frobenius(x, 0) * (1 + 1e-3)
+        res = []
+        for kind, out in zip(kinds, _outs(o), strict=False):
+            if not isinstance(out, Tensor) or not out.is_floating_point():
+                res.append(None)
+            elif kind == "u":
+                res.append(_unit(out.shape, 1e-3))
+            else:
+                f = fro.reshape(fro.shape + (1,) * (out.dim() - fro.dim())).expand(out.shape)
+                res.append(Box(torch.zeros_like(f) if kind == "s" else -f, f.clone()))
+        return res
+    return t
+
+
+TRANSFER["_linalg_svd"] = TRANSFER["linalg_svd"] = _decomposition("usu")
+TRANSFER["_linalg_eigh"] = TRANSFER["linalg_eigh"] = _decomposition("eu")
+TRANSFER["linalg_qr"] = _decomposition("ur")
+
+
+@_reg("atan2")
+def _atan2(bx, a, k, o):
+    y, x = _bc(bx(a[0]), bx(a[1]))
+    pi = float(torch.tensor(math.pi, dtype=o.dtype)) if o.is_floating_point() else math.pi
+    return Box(torch.full(y.lo.shape, -pi, dtype=F64), torch.full(y.lo.shape, pi, dtype=F64), torch.maximum(y.nan, x.nan))
+
+
+@_reg("xlogy")
+def _xlogy(bx, a, k, o):
+    """x * log(y), 0 where x == 0 (even for y = 0 or NaN? no: NaN y gives NaN)."""
+    x, y = _bc(bx(a[0]), bx(a[1]))
+    p = mul(x, log_box(y))
+    zero = (x.lo == 0) & (x.hi == 0)
+    lo = torch.where(zero, 0.0, torch.where(x.contains_zero(), torch.minimum(p.lo, torch.zeros_like(p.lo)), p.lo))
+    hi = torch.where(zero, 0.0, torch.where(x.contains_zero(), torch.maximum(p.hi, torch.zeros_like(p.hi)), p.hi))
+    nan = torch.where(zero, y.nan, torch.maximum(p.nan, y.nan))
+    # log(y) at y = 0 is -inf: 0 * -inf is not taken (xlogy gives 0 where x == 0)
+    nan = torch.where(x.contains_zero() & ~((x.lo == 0) & (x.hi == 0)) & (y.lo <= 0) & (y.nan == 0)
+                      & ~(y.lo < 0), torch.maximum(x.nan, y.nan), nan)
+    return Box(lo, hi, nan)
+
+
+def _all_any(f):
+    def t(bx, a, k, o):
+        x = bx(a[0])
+        dim = _arg(a, k, 1, "dim")
+        keep = bool(_arg(a, k, 2, "keepdim", False))
+        truthy = Box((~x.contains_zero()).to(F64), ((x.lo != 0) | (x.hi != 0) | (x.nan > 0)).to(F64))
+        dims = _dims(truthy.lo, dim)
+        return Box(_red(truthy.lo, dims, keep, f), _red(truthy.hi, dims, keep, f))
+    return t
+
+
+TRANSFER["all"] = TRANSFER["_is_all_true"] = _all_any(torch.amin)
+TRANSFER["any"] = TRANSFER["_is_any_true"] = _all_any(torch.amax)
+
+
+@_reg("as_strided")
+def _as_strided(bx, a, k, o):
+    """A window over a contiguous operand: the same window over its bounds (stft's frames)."""
+    x_t = a[0]
+    if not x_t.is_contiguous():
+        return None
+    size, stride = list(a[1]), list(a[2])
+    off = _arg(a, k, 3, "storage_offset")
+    off = x_t.storage_offset() if off is None else int(off)
+    rel = off - x_t.storage_offset()
+    last = rel + sum((s - 1) * st for s, st in zip(size, stride, strict=True) if s > 0)
+    if rel < 0 or last >= max(x_t.numel(), 1):
+        return None
+    x = bx(x_t)
+    return Box(*(torch.as_strided(t.contiguous(), size, stride, rel) for t in (x.lo, x.hi, x.nan)))
+
+
+@_reg("_fft_r2c", "_fft_c2c", "_fft_c2r")
+def _fft(bx, a, k, o):
+    """|X_k| <= sum_n |x_n| (times the normalisation) over the transformed dims: a bound on the
+    real and imaginary parts. A complex value's box bounds both parts."""
+    x_t = a[0]
+    x = bx(x_t)
+    dims = [d % x_t.dim() for d in a[1]]
+    norm = int(a[2])
+    n = _count(x.lo, dims)
+    s = _red(_mag(x), dims, True, torch.sum)
+    if norm == 1:
+        s = s / math.sqrt(n)
+    elif norm == 2:
+        s = s / n
+    nan = _red(torch.maximum(x.nan, _has_inf(x).to(F64)), dims, True, torch.amax)
+    dtype = o.real.dtype if o.is_complex() else o.dtype
+    b = widen(Box(-s, s, nan), dtype, k=4 * max(int(math.log2(max(n, 2))), 1), n=n, mag=s)
+    return Box(*(t.expand(o.shape).clone() for t in (b.lo, b.hi, b.nan)))
+
+
+@_reg("view_as_real")
+def _view_as_real(bx, a, k, o):
+    x = bx(a[0])
+    return Box(*(t.unsqueeze(-1).expand(o.shape).clone() for t in (x.lo, x.hi, x.nan)))
+
+
+@_reg("view_as_complex")
+def _view_as_complex(bx, a, k, o):
+    x = bx(a[0])
+    return Box(*(f(t, -1) for f, t in ((torch.amin, x.lo), (torch.amax, x.hi), (torch.amax, x.nan))))
