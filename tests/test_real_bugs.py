@@ -32,6 +32,7 @@ import nanpass
 from tests.helpers import flat_tensors
 
 INF = float("inf")
+H = torch.half
 
 # id, report (URL), op class, what triggers it
 TABLE: list[tuple[str, str, str, str]] = [
@@ -144,6 +145,113 @@ TABLE: list[tuple[str, str, str, str]] = [
      "log-space DP: logsumexp", "CTC/HMM forward: logsumexp of unreachable (-inf) states"),
     ("log_semiring_logaddexp_neg_inf", "https://github.com/pytorch/pytorch/issues/49724",
      "log-space DP: logaddexp", "logaddexp(-inf, -inf) in the same recurrence"),
+    # -- molecular dynamics (forces) -------------------------------------------------------------
+    ("md_forces_zero_padded_atoms", "https://github.com/atomistic-machine-learning/schnetpack/pull/6",
+     "MD: forces -dE/dpos of sqrt(sum(d**2))", "zero-padded atoms at one position"),
+    ("md_angle_padded_neighbours", "https://github.com/atomistic-machine-learning/schnetpack/pull/87",
+     "MD: cos angle r_ij.r_ik/(|r_ij||r_ik|)", "zero-padded neighbours: zero bond vectors"),
+    # -- graph networks --------------------------------------------------------------------------
+    ("gat_scatter_softmax_exp_overflow", "https://github.com/pyg-team/pytorch_geometric/issues/53",
+     "graph: scatter softmax exp / scatter_add", "attention logits of 100: exp overflows, inf / inf"),
+    ("gcn_negative_edge_weight_degree", "https://github.com/pyg-team/pytorch_geometric/issues/61",
+     "graph: deg.pow(-0.5)", "negative edge weights: weighted degree < 0"),
+    ("sage_mean_graph_without_edges", "https://github.com/dmlc/dgl/issues/2777",
+     "graph: neighbour sum / in-degree", "SAGEConv mean aggregation on a graph with no edges"),
+    # -- diffusion schedules ---------------------------------------------------------------------
+    ("ddim_eps_zero_terminal_snr", "https://github.com/huggingface/diffusers/issues/3851",
+     "diffusion: x0 = (x - sqrt(1-a) eps) / sqrt(a)", "rescale_betas_zero_snr: alphas_cumprod[T] = 0"),
+    ("min_snr_weight_zero_terminal_snr", "https://github.com/kohya-ss/sd-scripts/pull/934",
+     "diffusion: min(snr, gamma) / snr", "zero terminal SNR: snr = 0 at the last timestep"),
+    ("ddpm_cosine_beta_prod_zero", "https://github.com/Project-MONAI/GenerativeModels/issues/489",
+     "diffusion: coefficient / (1 - alphas_cumprod)", "cosine schedule: alphas_cumprod[0] = 1"),
+    ("rescale_noise_cfg_zero_std", "https://github.com/huggingface/diffusers/issues/13425",
+     "diffusion: std_text / std_cfg", "a guided prediction with zero variance"),
+    ("flow_match_shift_terminal_one_step", "https://github.com/huggingface/diffusers/pull/14415",
+     "diffusion: one_minus_z / scale_factor", "shift_terminal with a single step: scale factor 0"),
+    ("v_prediction_sigma_over_alpha", "https://github.com/zituitui/BELM/issues/8",
+     "diffusion: sigma_t / alpha_t", "v-prediction sampler at zero terminal SNR: alpha_T = 0"),
+    # -- normalizing flows -----------------------------------------------------------------------
+    ("flow_safe_logit_saturated", "https://github.com/pyro-ppl/pyro/pull/1813",
+     "flows: logit of a sigmoid output", "DeepSigmoidalFlow: sigmoid(20) == 1.0, log(1 - x) = -inf"),
+    ("flow_tanh_log_det_saturated", "https://github.com/didriknielsen/survae_flows/pull/12",
+     "flows: log(1 - tanh(x)**2)", "Tanh bijection at x = 10: tanh == 1.0"),
+    ("stick_breaking_log_det", "https://github.com/pytorch/pytorch/pull/20288",
+     "flows: log(1 - sigmoid)", "StickBreakingTransform log-det at large x"),
+    # -- reinforcement learning: squashed Gaussians, masked categoricals -------------------------
+    ("tanh_normal_log_prob_at_bound", "https://github.com/rlworkgroup/garage/pull/2129",
+     "RL: 0.5 log((1+a)/(1-a))", "TanhNormal.log_prob of an action exactly 1.0"),
+    ("masked_categorical_all_masked", "https://github.com/entity-neural-network/incubator/issues/186",
+     "RL: log_softmax of masked logits", "an action mask that masks every action"),
+    ("masked_categorical_entropy_zero_prob", "https://github.com/tensorforce/tensorforce/issues/586",
+     "RL: -(p * log p) of a masked softmax", "-inf logits for invalid actions: 0 * log 0"),
+    # -- contrastive losses ----------------------------------------------------------------------
+    ("supcon_anchor_without_positive", "https://github.com/HobbitLong/SupContrast/issues/141",
+     "contrastive: sum(mask * log_prob) / mask.sum()", "an anchor whose label no other sample has"),
+    ("supcon_unnormalised_exp_underflow", "https://github.com/HobbitLong/SupContrast/issues/104",
+     "contrastive: log(sum(exp(logits)))", "unnormalised features / 0.07: every exp underflows"),
+    ("clip_logit_scale_overflow", "https://github.com/openai/CLIP/pull/530",
+     "contrastive: logit_scale.exp()", "learned log temperature grows to 89: exp overflows"),
+    ("contrastseg_log_zero_denominator", "https://github.com/tfzhou/ContrastiveSeg/issues/68",
+     "contrastive: log(exp_logits + neg_logits)", "pixel embeddings far apart: the denominator underflows"),
+    # -- mixture-of-experts routers --------------------------------------------------------------
+    ("moe_router_z_loss_exp", "https://github.com/databricks/megablocks/pull/133",
+     "MoE: log(exp(logits).sum())**2", "router logits of 100: exp overflows"),
+    ("moe_cv_squared_balanced", "https://github.com/google-research/vmoe/pull/218",
+     "MoE: (std / mean)**2 of expert importance", "perfectly balanced routing: std = 0"),
+    # -- state-space models ----------------------------------------------------------------------
+    ("mamba_delta_a_exp_overflow", "https://github.com/alxndrTL/mamba.py/issues/53",
+     "SSM: exp(delta * A)", "delta without softplus: delta * A > 88"),
+    ("ssm_zoh_zero_eigenvalue", "https://github.com/JuliaReach/ReachabilityAnalysis.jl/issues/900",
+     "SSM: (exp(dt A) - 1) / A", "zero-order hold with a zero state matrix"),
+    # -- speech ----------------------------------------------------------------------------------
+    ("crepe_frame_norm_silence", "https://github.com/maxrmorrison/torchcrepe/issues/5",
+     "speech: (frame - mean) / std", "a silent frame: std 0"),
+    ("log_mel_silence", "https://github.com/kitzeslab/opensoundscape/issues/794",
+     "speech: 10 log10(mel power)", "a silent clip: mel power 0"),
+    ("log_f0_unvoiced_frames", "https://github.com/TensorSpeech/TensorFlowTTS/issues/46",
+     "speech: log(f0)", "unvoiced frames: f0 = 0"),
+    # -- 3D rotations ----------------------------------------------------------------------------
+    ("qnormalize_zero_quaternion", "https://github.com/EricGuo5513/HumanML3D/issues/44",
+     "rotations: q / |q|", "an all-zero root quaternion"),
+    ("so3_log_map_identity", "https://github.com/facebookresearch/pytorch3d/issues/189",
+     "rotations: phi / (2 sin phi)", "so3_log_map(I): phi = 0"),
+    ("axis_angle_from_quaternion_w_one", "https://github.com/JOML-CI/JOML/issues/202",
+     "rotations: 1 / sqrt(1 - w**2)", "a quaternion with w = -1"),
+    ("so3_exp_identity_gradient", "https://github.com/kornia/kornia/issues/4404",
+     "rotations: sin(theta) / theta in where", "So3.exp of the zero rotation vector"),
+    # -- detection losses (float16) --------------------------------------------------------------
+    ("ciou_identical_boxes_fp16", "https://github.com/ultralytics/yolov5/issues/2376",
+     "detection fp16: v / ((1 + eps) - iou + v)", "identical boxes in float16: eps 1e-9 rounds to 0"),
+    ("iou_loss_zero_area_pred", "https://github.com/open-mmlab/mmdetection/pull/3394",
+     "detection: -log(iou)", "a predicted box of zero area"),
+    ("yolo_wh_zero_pred_fp16", "https://github.com/ultralytics/yolov5/issues/8539",
+     "detection fp16: atan(w / h) in CIoU", "a predicted box with w = h = 0"),
+    # -- time-series losses ----------------------------------------------------------------------
+    ("mape_zero_target", "https://github.com/LibCity/Bigscity-LibCity/issues/219",
+     "time series: |y - p| / |y|", "traffic targets with zeros"),
+    ("smape_zero_target_and_prediction", "https://github.com/uber/causalml/pull/1050",
+     "time series: |y - p| / (|y| + |p|)", "target and prediction both 0"),
+    ("gaussian_nll_sigma_zero", "https://github.com/motokimura/PyTorch_Gaussian_YOLOv3/issues/23",
+     "time series: log(sigma**2) + (y - mu)**2 / sigma**2", "a predicted sigma of 0"),
+    # -- hyperbolic geometry ---------------------------------------------------------------------
+    ("poincare_dist_ball_edge", "https://github.com/geoopt/geoopt/issues/227",
+     "hyperbolic: 1 + 2 d / ((1 - |u|^2)(1 - |v|^2))", "an embedding on the edge of the ball"),
+    ("lorentz_arcosh_below_one", "https://github.com/geoopt/geoopt/pull/215",
+     "hyperbolic: log(x + sqrt(clamp(x^2 - 1)))", "arcosh of x < 0"),
+    ("mobius_artanh_norm_one", "https://github.com/leymir/hyperbolic-image-embeddings/issues/9",
+     "hyperbolic: artanh(|(-x) (+) y|)", "mobius_add norms of 1: artanh(1)"),
+    # -- optimal transport -----------------------------------------------------------------------
+    ("sinkhorn_zero_marginal_entropy", "https://github.com/PythonOT/POT/issues/552",
+     "OT: P log P of the plan", "histograms with zero entries: plan entries 0"),
+    ("sinkhorn_small_epsilon_divide", "https://github.com/rajewsky-lab/novosparc/issues/50",
+     "OT: b / (K^T u)", "epsilon 5e-4: a column of K underflows"),
+    # -- VAEs (float16) --------------------------------------------------------------------------
+    ("vae_fp16_logvar_exp_overflow", "https://github.com/vanderschaarlab/synthcity/issues/331",
+     "VAE fp16: exp(0.5 logvar), KL", "an encoder log-variance of 25 in float16"),
+    ("normal_kl_fp16_var_ratio", "https://github.com/NVIDIA/apex/issues/812",
+     "VAE fp16: kl_divergence(Normal, Normal)", "scale ratio 300 in float16: var_ratio overflows"),
+    ("gaussian_kl_logvar_exp", "https://github.com/lucidrains/DALLE2-pytorch/issues/138",
+     "VAE: exp(logvar1 - logvar2)", "learned variances blow up: logvar1 - logvar2 = 100"),
 ]
 
 
@@ -610,6 +718,461 @@ def _lse2(a, b):
 
 
 # ---------------------------------------------------------------------------------------------
+# molecular dynamics
+
+_PAIRS = torch.tensor([[0, 0, 0, 1, 1, 2], [1, 2, 3, 2, 3, 3]])
+
+
+def _md_forces(m, pos):
+    # schnetpack before #6: distances of zero-padded atoms, then forces = -dE/dpos
+    d = pos[_PAIRS[0]] - pos[_PAIRS[1]]
+    r = torch.sqrt((d ** 2).sum(-1))
+    energy = (m.w * torch.exp(-r)).sum()
+    return -torch.autograd.grad(energy, pos)[0]
+
+
+def _md_angles(m, pos, triples):
+    # triples (centre i, neighbour j, neighbour k); a padded neighbour slot holds index 0
+    r_ij = pos[triples[1]] - pos[triples[0]]
+    r_ik = pos[triples[2]] - pos[triples[0]]
+    cos = (r_ij * r_ik).sum(-1) / (r_ij.norm(dim=-1) * r_ik.norm(dim=-1))
+    return (m.w * (1 + cos) ** 2).sum()
+
+
+def _md_pos_trigger():  # atoms 2 and 3 are padding: both at the origin
+    return (leaf(torch.tensor([[1.0, 0.2, 0.0], [0.0, 1.1, 0.3], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])),)
+
+
+def _md_pos_safe():
+    return (leaf(torch.tensor([[1.0, 0.2, 0.0], [0.0, 1.1, 0.3], [0.2, -0.9, 0.4], [-1.0, 0.1, 0.6]])),)
+
+
+# ---------------------------------------------------------------------------------------------
+# graph networks
+
+_EDGES = torch.tensor([[0, 1, 2, 1], [1, 2, 1, 0]])  # (source, target); node 3 has no edges
+_RING = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
+
+
+def _gat_softmax(m, alpha, x):
+    # torch_geometric.utils.softmax before the max shift: exp, then scatter_add by target
+    tgt = _EDGES[1]
+    e = (alpha * m.a).exp()
+    denom = torch.zeros(4, dtype=e.dtype).index_add(0, tgt, e)
+    att = e / denom[tgt]
+    return torch.zeros(4, x.shape[-1]).index_add(0, tgt, att[:, None] * x[_EDGES[0]])
+
+
+def _gcn_norm(m, x, edges, edge_weight):
+    row, col = edges
+    deg = torch.zeros(4, dtype=x.dtype).index_add(0, col, edge_weight * m.s)
+    deg_inv = deg.pow(-0.5)
+    deg_inv[deg_inv == float("inf")] = 0
+    norm = deg_inv[row] * edge_weight * deg_inv[col]
+    return torch.zeros_like(x).index_add(0, col, norm[:, None] * m.lin(x)[row])
+
+
+def _sage_mean(m, x, edges):
+    src, dst = edges
+    h_sum = torch.zeros_like(x).index_add(0, dst, x[src])
+    deg = torch.zeros(x.shape[0], dtype=x.dtype).index_add(0, dst, torch.ones(src.shape[0]))
+    h_neigh = h_sum / deg[:, None]
+    return F.leaky_relu(m.self_lin(x) + m.neigh_lin(h_neigh))
+
+
+# ---------------------------------------------------------------------------------------------
+# diffusion
+
+
+def _ddim_step(m, x_t, ac, ac_prev):
+    eps = m.lin(x_t)
+    x0 = (x_t - (1 - ac).sqrt() * eps) / ac.sqrt()
+    return ac_prev.sqrt() * x0 + (1 - ac_prev).sqrt() * eps
+
+
+def _min_snr_loss(m, pred, target, ac, gamma=5.0):
+    snr = ac / (1 - ac)
+    w = torch.minimum(snr, torch.full_like(snr, gamma)) / snr
+    return (w * ((pred * m.g - target) ** 2).mean(-1)).mean()
+
+
+def _ddpm_posterior(m, x0, x_t, betas, ac, ac_prev):
+    beta_prod_t = 1 - ac
+    c0 = ac_prev.sqrt() * betas / beta_prod_t
+    ct = (1 - betas).sqrt() * (1 - ac_prev) / beta_prod_t
+    return c0 * (x0 * m.g) + ct * x_t
+
+
+def _rescale_noise_cfg(m, noise_cfg, noise_pred_text, guidance_rescale=0.7):
+    noise_cfg = noise_cfg * m.g
+    std_text = noise_pred_text.std(dim=-1, keepdim=True)
+    std_cfg = noise_cfg.std(dim=-1, keepdim=True)
+    rescaled = noise_cfg * (std_text / std_cfg)
+    return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
+
+
+def _shift_terminal(m, sigmas, shift_terminal=0.1):
+    one_minus_z = 1 - sigmas * m.g
+    scale_factor = one_minus_z[-1] / (1 - shift_terminal)
+    return 1 - (one_minus_z / scale_factor)
+
+
+def _v_pred_step(m, x_t, v, alpha, sigma, alpha_prev, sigma_prev):
+    # v-prediction: x0 = alpha x - sigma v, eps = sigma x + alpha v; the sampler's update then
+    # goes through sigma_t / alpha_t (zero at the terminal step of a zero-SNR schedule)
+    v = v * m.g
+    x0 = alpha * x_t - sigma * v
+    h = sigma / alpha
+    return alpha_prev * x0 + sigma_prev * (x_t - alpha * x0) / (alpha * h)
+
+
+# ---------------------------------------------------------------------------------------------
+# normalizing flows
+
+
+def _dsf_logit(m, u):
+    x = torch.sigmoid(m.a * u + m.b)
+    safe_log = lambda t: torch.log(t * 1e2) - math.log(1e2)  # noqa: E731 - pyro's NAF helper
+    return safe_log(x) - safe_log(1 - x)
+
+
+def _tanh_flow(m, x):
+    y = torch.tanh(x * m.s)
+    log_det = torch.log(1 - y ** 2).sum(-1)
+    return y, log_det
+
+
+def _stick_breaking_ldj(m, x):
+    # torch.distributions StickBreakingTransform.log_abs_det_jacobian before #20288
+    x = x * m.s
+    offset = (x.shape[-1] + 1) - x.new([1]).expand(x.shape).cumsum(-1)
+    z = torch.sigmoid(x - offset.log())
+    z_cumprod = (1 - z).cumprod(-1)
+    y = F.pad(z, [0, 1], value=1) * F.pad(z_cumprod, [1, 0], value=1)
+    return ((1 - z).log() + y[..., :-1].log()).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# reinforcement learning
+
+
+def _garage_tanh_normal(m, mean, action, eps=1e-6):
+    pre_tanh = 0.5 * torch.log((1 + action) / (1 - action))
+    normal = D.Normal(mean * m.g, torch.ones_like(mean), validate_args=False)
+    return normal.log_prob(pre_tanh) - torch.log(1 - action.pow(2) + eps)
+
+
+def _masked_categorical_logp(m, logits, mask, action):
+    logits = (logits * m.g).masked_fill(~mask, -INF)
+    logp = F.log_softmax(logits, -1)
+    return logp.gather(-1, action[:, None]).squeeze(-1)
+
+
+def _masked_entropy(m, logits, mask):
+    probs = F.softmax((logits * m.g).masked_fill(~mask, -INF), -1)
+    return -(probs * torch.log(probs)).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# contrastive
+
+
+def _supcon(m, features, labels, temperature=0.8):
+    features = features * m.g
+    n = features.shape[0]
+    mask = torch.eq(labels[:, None], labels[None, :]).float()
+    logits = features @ features.T / temperature
+    logits = logits - logits.max(1, keepdim=True)[0].detach()
+    logits_mask = 1 - torch.eye(n)
+    mask = mask * logits_mask
+    exp_logits = torch.exp(logits) * logits_mask
+    log_prob = logits - torch.log(exp_logits.sum(1, keepdim=True))
+    return (mask * log_prob).sum(1) / mask.sum(1)
+
+
+def _clip_loss(m, image, text, logit_scale):
+    logit_scale = (logit_scale + m.b).exp()
+    image = F.normalize(image, dim=-1)
+    text = F.normalize(text, dim=-1)
+    logits = logit_scale * image @ text.T
+    labels = torch.arange(logits.shape[0])
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def _contrast_seg(m, anchor, contrast, labels, temperature=0.1):
+    anchor = anchor * m.g
+    mask = torch.eq(labels[:, None], labels[None, :]).float()
+    neg_mask = 1 - mask
+    logits = anchor @ contrast.T / temperature
+    logits = logits - logits.max(1, keepdim=True)[0].detach()
+    neg_logits = (torch.exp(logits) * neg_mask).sum(1, keepdim=True)
+    exp_logits = torch.exp(logits)
+    log_prob = logits - torch.log(exp_logits + neg_logits)
+    return -((mask * log_prob).sum(1) / mask.sum(1)).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# mixture of experts
+
+
+def _router_z_loss(m, x):
+    expert_logits = m.router(x)
+    return (torch.log(torch.exp(expert_logits).sum(dim=-1)) ** 2).sum() / x.shape[0]
+
+
+def _cv_squared(m, x):
+    gates = F.softmax(x @ m.W, -1)
+    importance = gates.sum(0)
+    std = importance.var(correction=0).sqrt()  # jnp.std: sqrt of the variance
+    return (std / importance.mean()) ** 2
+
+
+# ---------------------------------------------------------------------------------------------
+# state-space models
+
+
+def _selective_scan(m, u, delta):
+    # mamba.py selective_scan: deltaA = exp(delta * A), A = -exp(A_log), no softplus on delta
+    A = -torch.exp(m.A_log)  # (d, n)
+    deltaA = torch.exp(delta[..., None] * A)  # (l, d, n)
+    deltaB_u = delta[..., None] * m.B * u[..., None]
+    h = torch.zeros_like(deltaA[0])
+    ys = []
+    for t in range(u.shape[0]):
+        h = deltaA[t] * h + deltaB_u[t]
+        ys.append((h * m.C).sum(-1))
+    return torch.stack(ys)
+
+
+def _zoh(m, u, dt, A):
+    # ZOH discretisation: A_bar = exp(dt A), B_bar = (exp(dt A) - 1) / A * B
+    A = A * m.g
+    dA = torch.exp(dt * A)
+    dB = (dA - 1) / A * m.B
+    h = torch.zeros_like(A)
+    ys = []
+    for t in range(u.shape[0]):
+        h = dA * h + dB * u[t]
+        ys.append((h * m.C).sum())
+    return torch.stack(ys)
+
+
+# ---------------------------------------------------------------------------------------------
+# speech
+
+
+def _crepe_normalize(m, audio, hop=16, win=32):
+    frames = audio.unfold(-1, win, hop) * m.g
+    frames = frames - frames.mean(-1, keepdim=True)
+    frames = frames / frames.std(-1, keepdim=True)
+    return m.lin(frames)
+
+
+def _log_mel(m, wav):
+    spec = torch.stft(wav, n_fft=64, hop_length=16, window=m.window, return_complex=True).abs() ** 2
+    mel = m.fb @ spec
+    return 10 * torch.log10(mel * m.g)
+
+
+def _log_f0_loss(m, f0_pred, f0):
+    return ((f0_pred * m.g - torch.log(f0)) ** 2).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# 3D rotations
+
+
+def _qnormalize(m, q):
+    q = q * m.g
+    return q / torch.norm(q, dim=-1, keepdim=True)
+
+
+def _so3_log_map(m, R, eps=1e-4):
+    # pytorch3d so3_log_map before the fix (#189)
+    R = R * m.g
+    rot_trace = R[..., 0, 0] + R[..., 1, 1] + R[..., 2, 2]
+    phi_cos = ((rot_trace - 1.0) * 0.5).clamp(-1.0, 1.0)
+    phi = phi_cos.acos()
+    phi_valid = torch.clamp(phi.abs(), eps) * phi.sign()
+    phi_factor = (0.5 * phi / phi_valid.sin())
+    log_rot_hat = phi_factor[..., None, None] * (R - R.transpose(-1, -2))
+    return torch.stack([log_rot_hat[..., 2, 1], log_rot_hat[..., 0, 2], log_rot_hat[..., 1, 0]], -1)
+
+
+def _axis_angle(m, q):
+    q = q * m.g
+    w, v = q[..., 0], q[..., 1:]
+    angle = 2 * torch.acos(w.clamp(-1, 1))
+    inv_sqrt = 1.0 / torch.sqrt(1.0 - w * w)
+    return torch.cat([v * inv_sqrt[..., None], angle[..., None]], -1)
+
+
+def _so3_exp(m, v):
+    v = v * m.g
+    theta = v.norm(dim=-1, keepdim=True)
+    w = torch.cos(theta / 2)
+    small = theta < 1e-6
+    xyz = torch.where(small, 0.5 * v, torch.sin(theta / 2) * v / theta)
+    return torch.cat([w, xyz], -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# detection losses in float16
+
+
+def _ciou(m, box1, box2, eps=1e-9):
+    # yolov5 bbox_iou(x1y1x2y2=False, CIoU=True) before #2376, boxes (x, y, w, h); the centre
+    # distance term rho^2 / c^2 is left out (finite here, and not part of the bug)
+    (x1, y1, w1, h1), (x2, y2, w2, h2) = (box1 * m.g).unbind(-1), box2.unbind(-1)
+    h1, h2 = h1 + eps, h2 + eps
+    inter = ((torch.min(x1 + w1 / 2, x2 + w2 / 2) - torch.max(x1 - w1 / 2, x2 - w2 / 2)).clamp(0)
+             * (torch.min(y1 + h1 / 2, y2 + h2 / 2) - torch.max(y1 - h1 / 2, y2 - h2 / 2)).clamp(0))
+    iou = inter / (w1 * h1 + w2 * h2 - inter + eps)
+    v = (4 / math.pi ** 2) * torch.pow(torch.atan(w2 / h2) - torch.atan(w1 / h1), 2)
+    alpha = v / ((1 + eps) - iou + v)
+    return 1 - (iou - v * alpha)
+
+
+def _ciou_fp16(m, box1, box2):
+    return _ciou(m, box1, box2, eps=1e-7)
+
+
+def _iou_loss(m, pred, target, eps=1e-6):
+    # mmdetection iou_loss before #3394: -log(iou)
+    pred = pred * m.g
+    lt = torch.max(pred[:, :2], target[:, :2])
+    rb = torch.min(pred[:, 2:], target[:, 2:])
+    wh = (rb - lt).clamp(min=0)
+    overlap = wh[:, 0] * wh[:, 1]
+    area1 = (pred[:, 2] - pred[:, 0]) * (pred[:, 3] - pred[:, 1])
+    area2 = (target[:, 2] - target[:, 0]) * (target[:, 3] - target[:, 1])
+    ious = overlap / (area1 + area2 - overlap + eps)
+    return -ious.log()
+
+
+# ---------------------------------------------------------------------------------------------
+# time series
+
+
+def _mape(m, pred, y):
+    pred = pred * m.g
+    return (torch.abs(pred - y) / torch.abs(y)).mean()
+
+
+def _smape(m, pred, y):
+    pred = pred * m.g
+    return (2 * torch.abs(y - pred) / (torch.abs(y) + torch.abs(pred))).mean()
+
+
+def _gaussian_nll(m, x, y):
+    mu, s = (x * m.w + m.b).unbind(-1)
+    sigma = torch.sigmoid(s)
+    return (torch.log(sigma ** 2) + (y - mu) ** 2 / sigma ** 2).mean() / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# hyperbolic
+
+
+def _poincare_dist(m, u, v, epsilon=1e-7):
+    # geoopt#227's PoincareModel.dist
+    u = u * m.g
+    sqdist = torch.sum((u - v) ** 2, dim=-1)
+    squnorm = torch.sum(u ** 2, dim=-1)
+    sqvnorm = torch.sum(v ** 2, dim=-1)
+    x = 1 + 2 * sqdist / ((1 - squnorm) * (1 - sqvnorm)) + epsilon
+    z = torch.sqrt(x ** 2 - 1)
+    return torch.log(x + z)
+
+
+def _lorentz_dist(m, x, y):
+    # geoopt lorentz math before #215: arcosh(z) = log(z + sqrt(clamp_min(z^2 - 1, 1e-15)))
+    inner = -(x[..., 0] * y[..., 0] * m.g) + (x[..., 1:] * y[..., 1:]).sum(-1)
+    z = -inner
+    return torch.log(z + torch.sqrt(torch.clamp_min(z.pow(2) - 1.0, 1e-15)))
+
+
+def _mobius_dist(m, x, y, c=1.0):
+    x = x * m.g
+    x = -x
+    xy = (x * y).sum(-1, keepdim=True)
+    x2 = (x * x).sum(-1, keepdim=True)
+    y2 = (y * y).sum(-1, keepdim=True)
+    num = (1 + 2 * c * xy + c * y2) * x + (1 - c * x2) * y
+    denom = 1 + 2 * c * xy + c ** 2 * x2 * y2
+    madd = num / denom.clamp_min(1e-15)
+    sqrt_c = c ** 0.5
+    return 2 / sqrt_c * torch.atanh(sqrt_c * madd.norm(dim=-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# optimal transport
+
+
+def _sinkhorn_log_entropy(m, a, b, M, reg=0.1):
+    # entropic OT value <P, M> + reg * sum P (log P - 1), plan from a log-domain Sinkhorn step
+    Mr = M * m.g / reg
+    f = torch.log(a) - torch.logsumexp(-Mr, 1)
+    g = torch.log(b) - torch.logsumexp(f[:, None] - Mr, 0)
+    P = torch.exp(f[:, None] + g[None, :] - Mr)
+    return (P * M).sum() + reg * (P * (torch.log(P) - 1)).sum()
+
+
+def _sinkhorn_v_update(m, a, b, M, reg):
+    K = torch.exp(-M * m.g / reg)
+    v = b / K.sum(0)  # K^T u with u = 1
+    u = a / (K @ v)
+    return u[:, None] * K * v[None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# float16 VAEs
+
+
+def _vae_reparam(m, mu, logvar, eps):
+    logvar = logvar * m.g
+    std = torch.exp(0.5 * logvar)
+    z = mu + eps * std
+    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp(), dim=-1)
+    return z, kld
+
+
+def _normal_kl(m, loc_p, scale_p, loc_q, scale_q):
+    p = D.Normal(loc_p, scale_p * m.g, validate_args=False)
+    q = D.Normal(loc_q, scale_q, validate_args=False)
+    return D.kl_divergence(p, q)
+
+
+def _dalle2_normal_kl(m, mean1, logvar1, mean2, logvar2):
+    logvar1 = logvar1 * m.g
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
+                  + ((mean1 - mean2) ** 2) * torch.exp(-logvar2))
+
+
+# helpers of the cases above
+
+
+def _one(dtype=torch.float32):
+    return {"g": torch.ones((), dtype=dtype)}
+
+
+def _mel_fb():
+    fb = torch.zeros(4, 33)
+    for i in range(4):
+        fb[i, 2 + 7 * i: 10 + 7 * i] = 1.0
+    return fb
+
+
+def _state_A():
+    return torch.log(torch.arange(1, 3, dtype=torch.float32)).repeat(2, 1)
+
+
+def _ot_M(n=4):
+    x = torch.linspace(0, 1.5, n)
+    return (x[:, None] - x[None, :]) ** 2
+
+
+# ---------------------------------------------------------------------------------------------
 # the cases: model, trigger (from the report), a safe input
 
 
@@ -866,13 +1429,207 @@ CASES: dict[str, Case] = {
         lambda: Fn(_forward_algorithm(torch.logaddexp), params={"b": torch.zeros(4)}),
         lambda: (leaf(torch.tensor([0.0, -INF, -INF, -INF])), leaf(_f(2, 4).log_softmax(-1))),
         lambda: (leaf(torch.tensor([0.0, -5.0, -5.0, -5.0])), leaf(_f(2, 4).log_softmax(-1)))),
+    "md_forces_zero_padded_atoms": Case(
+        lambda: Fn(_md_forces, params={"w": torch.ones(6)}), _md_pos_trigger, _md_pos_safe),
+    "md_angle_padded_neighbours": Case(
+        lambda: Fn(_md_angles, params={"w": torch.ones(3)}),
+        lambda: (*_md_pos_safe(), torch.tensor([[0, 0, 1], [1, 1, 0], [2, 0, 3]])),
+        lambda: (*_md_pos_safe(), torch.tensor([[0, 0, 1], [1, 1, 0], [2, 3, 3]]))),
+    "gat_scatter_softmax_exp_overflow": Case(
+        lambda: Fn(_gat_softmax, params={"a": torch.ones(())}),
+        lambda: (leaf(torch.tensor([100.0, 99.0, 1.0, 2.0])), _f(4, 2)),
+        lambda: (leaf(torch.tensor([1.0, 0.5, 1.0, 2.0])), _f(4, 2))),
+    "gcn_negative_edge_weight_degree": Case(
+        lambda: Fn(_gcn_norm, params={"s": torch.ones(())}, mods={"lin": _lin(2, 2)}),
+        lambda: (_f(4, 2), _RING, leaf(torch.tensor([-1.0, 0.5, -2.0, 1.0]))),
+        lambda: (_f(4, 2), _RING, leaf(torch.tensor([1.0, 0.5, 2.0, 1.0])))),
+    "sage_mean_graph_without_edges": Case(
+        lambda: Fn(_sage_mean, mods={"self_lin": _lin(4, 4), "neigh_lin": _lin(4, 4, seed=1)}),
+        lambda: (leaf(torch.tensor([[1.0, 2, 3, 4], [5, 6, 7, 8]])), torch.zeros(2, 0, dtype=torch.long)),
+        lambda: (leaf(torch.tensor([[1.0, 2, 3, 4], [5, 6, 7, 8]])), torch.tensor([[0, 1], [1, 0]]))),
+    "ddim_eps_zero_terminal_snr": Case(
+        lambda: Fn(_ddim_step, mods={"lin": _lin(4, 4)}),
+        lambda: (leaf(_f(2, 4)), torch.tensor(0.0), torch.tensor(0.0047)),
+        lambda: (leaf(_f(2, 4)), torch.tensor(0.0047), torch.tensor(0.0094))),
+    "min_snr_weight_zero_terminal_snr": Case(
+        lambda: Fn(_min_snr_loss, params=_one()),
+        lambda: (leaf(_f(3, 4)), _f(3, 4, seed=1), torch.tensor([0.9, 0.3, 0.0])),
+        lambda: (leaf(_f(3, 4)), _f(3, 4, seed=1), torch.tensor([0.9, 0.3, 0.01]))),
+    "ddpm_cosine_beta_prod_zero": Case(
+        lambda: Fn(_ddpm_posterior, params=_one()),
+        lambda: (leaf(_f(2, 4)), _f(2, 4, seed=1), torch.tensor(0.0), torch.tensor(1.0), torch.tensor(1.0)),
+        lambda: (leaf(_f(2, 4)), _f(2, 4, seed=1), torch.tensor(0.02), torch.tensor(0.97), torch.tensor(0.99))),
+    "rescale_noise_cfg_zero_std": Case(
+        lambda: Fn(_rescale_noise_cfg, params=_one()),
+        lambda: (leaf(torch.zeros(1, 16)), _f(1, 16)),
+        lambda: (leaf(_f(1, 16, seed=1)), _f(1, 16))),
+    "flow_match_shift_terminal_one_step": Case(
+        lambda: Fn(_shift_terminal, params=_one()),
+        lambda: (leaf(torch.tensor([1.0])),),
+        lambda: (leaf(torch.tensor([1.0, 0.75, 0.5, 0.25])),)),
+    "v_prediction_sigma_over_alpha": Case(
+        lambda: Fn(_v_pred_step, params=_one()),
+        lambda: (leaf(_f(2, 4)), _f(2, 4, seed=1), torch.tensor(0.0), torch.tensor(1.0),
+                 torch.tensor(0.07), torch.tensor(0.9975)),
+        lambda: (leaf(_f(2, 4)), _f(2, 4, seed=1), torch.tensor(0.07), torch.tensor(0.9975),
+                 torch.tensor(0.1), torch.tensor(0.995))),
+    "flow_safe_logit_saturated": Case(
+        lambda: Fn(_dsf_logit, params={"a": torch.ones(3), "b": torch.zeros(3)}),
+        lambda: (leaf(torch.tensor([[20.0, 0.5, -1.0]])),),
+        lambda: (leaf(torch.tensor([[2.0, 0.5, -1.0]])),)),
+    "flow_tanh_log_det_saturated": Case(
+        lambda: Fn(_tanh_flow, params={"s": torch.ones(())}),
+        lambda: (leaf(torch.tensor([[10.0, 0.3]])),),
+        lambda: (leaf(torch.tensor([[2.0, 0.3]])),)),
+    "stick_breaking_log_det": Case(
+        lambda: Fn(_stick_breaking_ldj, params={"s": torch.ones(())}),
+        lambda: (leaf(torch.tensor([[30.0, 0.1, -0.2]])),),
+        lambda: (leaf(torch.tensor([[1.0, 0.1, -0.2]])),)),
+    "tanh_normal_log_prob_at_bound": Case(
+        lambda: Fn(_garage_tanh_normal, params=_one()),
+        lambda: (leaf(torch.tensor([0.2, -0.1])), torch.tensor([1.0, 0.3])),
+        lambda: (leaf(torch.tensor([0.2, -0.1])), torch.tensor([0.9, 0.3]))),
+    "masked_categorical_all_masked": Case(
+        lambda: Fn(_masked_categorical_logp, params=_one()),
+        lambda: (leaf(_f(2, 4)), torch.tensor([[True, False, True, True], [False] * 4]), torch.tensor([0, 1])),
+        lambda: (leaf(_f(2, 4)), torch.tensor([[True, False, True, True], [False, True, False, False]]),
+                 torch.tensor([0, 1]))),
+    "masked_categorical_entropy_zero_prob": Case(
+        lambda: Fn(_masked_entropy, params=_one()),
+        lambda: (leaf(_f(2, 4)), torch.tensor([[True, False, True, True], [True] * 4])),
+        lambda: (leaf(_f(2, 4)), torch.tensor([[True] * 4, [True] * 4]))),
+    "supcon_anchor_without_positive": Case(
+        lambda: Fn(_supcon, params=_one()),
+        lambda: (leaf(F.normalize(_f(4, 3), dim=1)), torch.tensor([0, 1, 1, 3])),
+        lambda: (leaf(F.normalize(_f(4, 3), dim=1)), torch.tensor([0, 1, 1, 0]))),
+    "supcon_unnormalised_exp_underflow": Case(
+        lambda: Fn(lambda m, f, y: _supcon(m, f, y, temperature=0.07), params=_one()),
+        lambda: (leaf(_f(4, 8, scale=40.0)), torch.tensor([0, 1, 1, 0])),
+        lambda: (leaf(F.normalize(_f(4, 8), dim=1)), torch.tensor([0, 1, 1, 0]))),
+    "clip_logit_scale_overflow": Case(
+        lambda: Fn(_clip_loss, params={"b": torch.zeros(())}),
+        lambda: (leaf(_f(3, 8)), _f(3, 8, seed=1), leaf(torch.tensor(89.0))),
+        lambda: (leaf(_f(3, 8)), _f(3, 8, seed=1), leaf(torch.tensor(math.log(1 / 0.07))))),
+    "contrastseg_log_zero_denominator": Case(
+        lambda: Fn(_contrast_seg, params=_one()),
+        lambda: (leaf(_f(4, 8, scale=30.0)), _f(4, 8, scale=30.0, seed=1), torch.tensor([0, 1, 0, 1])),
+        lambda: (leaf(F.normalize(_f(4, 8), dim=1)), F.normalize(_f(4, 8, seed=1), dim=1),
+                 torch.tensor([0, 1, 0, 1]))),
+    "moe_router_z_loss_exp": Case(
+        lambda: Fn(_router_z_loss, mods={"router": _lin(4, 4)}),
+        lambda: (leaf(_f(3, 4, scale=100.0)),),
+        lambda: (leaf(_f(3, 4)),)),
+    "moe_cv_squared_balanced": Case(
+        lambda: Fn(_cv_squared, params={"W": _f(4, 4, seed=3)}),
+        lambda: (leaf(torch.zeros(3, 4)),),
+        lambda: (leaf(_f(3, 4)),)),
+    "mamba_delta_a_exp_overflow": Case(
+        lambda: Fn(_selective_scan, params={"A_log": _state_A(), "B": torch.ones(2), "C": torch.ones(2)}),
+        lambda: (leaf(_f(2, 2)), leaf(torch.tensor([[0.5, 0.2], [-100.0, 0.3]]))),
+        lambda: (leaf(_f(2, 2)), leaf(torch.tensor([[0.5, 0.2], [0.4, 0.3]])))),
+    "ssm_zoh_zero_eigenvalue": Case(
+        lambda: Fn(_zoh, params={"g": torch.ones(()), "B": torch.ones(2), "C": torch.ones(2)}),
+        lambda: (leaf(_f(2)), torch.tensor(0.1), leaf(torch.tensor([-0.5, 0.0]))),
+        lambda: (leaf(_f(2)), torch.tensor(0.1), leaf(torch.tensor([-0.5, -0.1])))),
+    "crepe_frame_norm_silence": Case(
+        lambda: Fn(_crepe_normalize, params=_one(), mods={"lin": _lin(32, 2)}),
+        lambda: (leaf(torch.cat([_f(48), torch.zeros(32)])),),
+        lambda: (leaf(_f(80)),)),
+    "log_mel_silence": Case(
+        lambda: Fn(_log_mel, params=_one(), buffers={"window": torch.hann_window(64), "fb": _mel_fb()}),
+        lambda: (leaf(torch.zeros(1, 128)),),
+        lambda: (leaf(_f(1, 128)),)),
+    "log_f0_unvoiced_frames": Case(
+        lambda: Fn(_log_f0_loss, params=_one()),
+        lambda: (leaf(_f(6)), torch.tensor([220.0, 230.0, 0.0, 0.0, 210.0, 200.0])),
+        lambda: (leaf(_f(6)), torch.tensor([220.0, 230.0, 215.0, 212.0, 210.0, 200.0]))),
+    "qnormalize_zero_quaternion": Case(
+        lambda: Fn(_qnormalize, params=_one()),
+        lambda: (leaf(torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5]])),),
+        lambda: (leaf(torch.tensor([[1.0, 0.0, 0.0, 0.2], [0.5, 0.5, 0.5, 0.5]])),)),
+    "so3_log_map_identity": Case(
+        lambda: Fn(_so3_log_map, params=_one()),
+        lambda: (leaf(torch.eye(3)[None]),),
+        lambda: (leaf(torch.tensor([[[0.36, 0.48, -0.8], [-0.8, 0.6, 0.0], [0.48, 0.64, 0.6]]])),)),
+    "axis_angle_from_quaternion_w_one": Case(
+        lambda: Fn(_axis_angle, params=_one()),
+        lambda: (leaf(torch.tensor([[-1.0, 0.0, 0.0, 0.0]])),),
+        lambda: (leaf(torch.tensor([[0.5, 0.5, 0.5, 0.5]])),)),
+    "so3_exp_identity_gradient": Case(
+        lambda: Fn(_so3_exp, params=_one()),
+        lambda: (leaf(torch.zeros(1, 3)),),
+        lambda: (leaf(torch.tensor([[0.1, -0.2, 0.3]])),)),
+    "ciou_identical_boxes_fp16": Case(
+        lambda: Fn(_ciou, params=_one(H)),
+        lambda: (leaf(torch.tensor([[1.42969, 0.25635, 3.78125, 7.37109]], dtype=H)),
+                 torch.tensor([[1.42969, 0.25635, 3.78125, 7.37109]], dtype=H)),
+        lambda: (leaf(torch.tensor([[1.5, 0.3, 3.5, 7.0]], dtype=H)),
+                 torch.tensor([[1.42969, 0.25635, 3.78125, 7.37109]], dtype=H))),
+    "iou_loss_zero_area_pred": Case(
+        lambda: Fn(_iou_loss, params=_one()),
+        lambda: (leaf(torch.tensor([[30.0, 75.0, 30.0, 75.0]])), torch.tensor([[10.0, 60.0, 40.0, 90.0]])),
+        lambda: (leaf(torch.tensor([[20.0, 70.0, 35.0, 85.0]])), torch.tensor([[10.0, 60.0, 40.0, 90.0]]))),
+    "yolo_wh_zero_pred_fp16": Case(
+        lambda: Fn(_ciou_fp16, params=_one(H)),
+        lambda: (leaf(torch.tensor([[0.6572, 0.6045, 0.0, 0.0]], dtype=H)),
+                 torch.tensor([[0.65, 0.61, 0.2, 0.3]], dtype=H)),
+        lambda: (leaf(torch.tensor([[0.6572, 0.6045, 0.1, 0.2]], dtype=H)),
+                 torch.tensor([[0.65, 0.61, 0.2, 0.3]], dtype=H))),
+    "mape_zero_target": Case(
+        lambda: Fn(_mape, params=_one()),
+        lambda: (leaf(_f(8).abs()), torch.tensor([3.0, 0.0, 2.0, 5.0, 0.0, 1.0, 4.0, 2.0])),
+        lambda: (leaf(_f(8).abs()), torch.tensor([3.0, 1.0, 2.0, 5.0, 2.0, 1.0, 4.0, 2.0]))),
+    "smape_zero_target_and_prediction": Case(
+        lambda: Fn(_smape, params=_one()),
+        lambda: (leaf(torch.tensor([0.0, 1.8, 0.5, 7.0])), torch.tensor([0.0, 2.0, 0.0, 8.0])),
+        lambda: (leaf(torch.tensor([0.1, 1.8, 0.5, 7.0])), torch.tensor([0.0, 2.0, 0.0, 8.0]))),
+    "gaussian_nll_sigma_zero": Case(
+        lambda: Fn(_gaussian_nll, params={"w": torch.ones(2), "b": torch.zeros(2)}),
+        lambda: (leaf(torch.tensor([[0.1, 0.2], [0.8, -200.0]])), torch.tensor([0.5, 1.0])),
+        lambda: (leaf(torch.tensor([[0.1, 0.2], [0.8, -2.0]])), torch.tensor([0.5, 1.0]))),
+    "poincare_dist_ball_edge": Case(
+        lambda: Fn(_poincare_dist, params=_one()),
+        lambda: (leaf(torch.tensor([[0.6, 0.8], [0.1, 0.2]])), torch.tensor([[0.1, 0.1], [0.3, -0.2]])),
+        lambda: (leaf(torch.tensor([[0.5, 0.7], [0.1, 0.2]])), torch.tensor([[0.1, 0.1], [0.3, -0.2]]))),
+    "lorentz_arcosh_below_one": Case(
+        lambda: Fn(_lorentz_dist, params=_one()),
+        lambda: (leaf(torch.tensor([[-1.5, 0.5, 1.0]])), torch.tensor([[1.5, 0.5, 1.0]])),
+        lambda: (leaf(torch.tensor([[1.5, 0.5, 1.0]])), torch.tensor([[1.2, 0.4, -0.5]]))),
+    "mobius_artanh_norm_one": Case(
+        lambda: Fn(_mobius_dist, params=_one()),
+        lambda: (leaf(torch.tensor([[-0.3, 0.0]])), torch.tensor([[0.6, 0.8]])),
+        lambda: (leaf(torch.tensor([[0.1, 0.0]])), torch.tensor([[0.3, 0.4]]))),
+    "sinkhorn_zero_marginal_entropy": Case(
+        lambda: Fn(_sinkhorn_log_entropy, params=_one()),
+        lambda: (leaf(torch.tensor([0.0, 1.0, 0.0, 0.0])), torch.tensor([1.0, 0.0, 0.0, 0.0]), _ot_M()),
+        lambda: (leaf(torch.tensor([0.1, 0.7, 0.1, 0.1])), torch.tensor([0.7, 0.1, 0.1, 0.1]), _ot_M())),
+    "sinkhorn_small_epsilon_divide": Case(
+        lambda: Fn(_sinkhorn_v_update, params=_one()),
+        lambda: (leaf(torch.tensor([0.5, 0.5, 0.0, 0.0])), torch.tensor([0.0, 0.0, 0.5, 0.5]), _ot_M(), 5e-3),
+        lambda: (leaf(torch.tensor([0.4, 0.4, 0.1, 0.1])), torch.tensor([0.1, 0.1, 0.4, 0.4]), _ot_M(), 0.5)),
+    "vae_fp16_logvar_exp_overflow": Case(
+        lambda: Fn(_vae_reparam, params=_one(H)),
+        lambda: (leaf(_f(2, 4, dtype=H)), leaf(torch.tensor([[25.0, 0.1, -0.2, 0.3], [0.0] * 4], dtype=H)),
+                 _f(2, 4, seed=1, dtype=H)),
+        lambda: (leaf(_f(2, 4, dtype=H)), leaf(torch.tensor([[2.5, 0.1, -0.2, 0.3], [0.0] * 4], dtype=H)),
+                 _f(2, 4, seed=1, dtype=H))),
+    "normal_kl_fp16_var_ratio": Case(
+        lambda: Fn(_normal_kl, params=_one(H)),
+        lambda: (leaf(_f(3, dtype=H)), leaf(torch.tensor([300.0, 1.0, 0.5], dtype=H)),
+                 _f(3, seed=1, dtype=H), torch.tensor([1.0, 1.0, 1.0], dtype=H)),
+        lambda: (leaf(_f(3, dtype=H)), leaf(torch.tensor([3.0, 1.0, 0.5], dtype=H)),
+                 _f(3, seed=1, dtype=H), torch.tensor([1.0, 1.0, 1.0], dtype=H))),
+    "gaussian_kl_logvar_exp": Case(
+        lambda: Fn(_dalle2_normal_kl, params=_one()),
+        lambda: (leaf(_f(4)), leaf(torch.tensor([100.0, 0.1, 0.2, -0.3])), _f(4, seed=1), torch.zeros(4)),
+        lambda: (leaf(_f(4)), leaf(torch.tensor([1.0, 0.1, 0.2, -0.3])), _f(4, seed=1), torch.zeros(4))),
 }
 
 
 def test_table_and_cases_agree():
     ids = [row[0] for row in TABLE]
     assert len(ids) == len(set(ids)) and set(ids) == set(CASES)
-    assert len(ids) >= 40
+    assert len(ids) >= 90
     assert all(row[1].startswith("https://") for row in TABLE)
 
 
