@@ -316,6 +316,7 @@ class Analysis(TorchDispatchMode):
         self.exp_of: dict[int, tuple] = {}
         self.same_below: dict[int, tuple] = {}
         self.gt_of: dict[int, tuple] = {}
+        self.cmp_of: dict[int, tuple] = {}  # x <op> c -> (x, op, c): where() refines its branches
 
     # -- boxes ------------------------------------------------------------------------------
     def box(self, x) -> Box | None:
@@ -486,8 +487,11 @@ class Analysis(TorchDispatchMode):
         o, x = outs[0], args[0]
         if base == "clamp" and len(args) >= 3 and args[1] is None and isinstance(args[2], (int, float)):
             self.same_below[id(o)] = (o, x, float(args[2]))
-        elif base == "gt" and len(args) >= 2 and isinstance(args[1], (int, float)):
-            self.gt_of[id(o)] = (o, x, float(args[1]))
+        elif base in ("gt", "ge", "lt", "le") and len(args) >= 2 and isinstance(args[1], (int, float)) \
+                and not isinstance(args[1], bool) and isinstance(x, Tensor) and x.is_floating_point():
+            self.cmp_of[id(o)] = (o, x, base, float(args[1]))
+            if base == "gt":
+                self.gt_of[id(o)] = (o, x, float(args[1]))
         elif base == "exp":
             e = self._rel(self.same_below, x)
             self.exp_of[id(o)] = (o, e[1], e[2]) if e else (o, x, INF)
@@ -576,6 +580,8 @@ class Analysis(TorchDispatchMode):
     def related(self, base, args, out):
         """Operands that are one value (x * x, x == x) or a value and its exp (p * log p's
         cousin, the entropy's exp(l) * l): the intervals alone lose the relation."""
+        if base == "where" and len(args) == 3:
+            return self.refined_where(args, out)
         if len(args) < 2 or not isinstance(args[0], Tensor) or not isinstance(args[1], Tensor):
             return None
         a, b = args[0], args[1]
@@ -599,6 +605,37 @@ class Analysis(TorchDispatchMode):
                     return Box(torch.where(below, p.lo, q.lo), torch.where(below, p.hi, q.hi),
                                torch.where(below, p.nan, q.nan))
         return None
+
+    def refined_where(self, args, out):
+        """where(x <op> c, x, y) or where(x <op> c, y, x): in its branch x satisfies the test
+        (where(x <= 0, tiny, x) never passes a value <= 0 on)."""
+        c = self._rel(self.cmp_of, args[0])
+        if c is None or not out.is_floating_point():
+            return None
+        _, x, op, k = c
+        if args[1] is not x and args[2] is not x:
+            return None
+        box = self._operand_boxes(args, out)
+        a, b = box(args[1]), box(args[2])
+        ks = [k, float(torch.tensor(k, dtype=F64).to(x.dtype)), float(torch.tensor(k, dtype=F64).to(torch.float32))]
+        up = [float(torch.nextafter(torch.tensor(v, dtype=x.dtype), torch.tensor(INF, dtype=x.dtype))) for v in ks]
+        down = [float(torch.nextafter(torch.tensor(v, dtype=x.dtype), torch.tensor(-INF, dtype=x.dtype))) for v in ks]
+        # the values x may hold where the test is true / false (NaN: false)
+        floor_true = {"gt": min(up), "ge": min(ks)}.get(op)
+        ceil_true = {"lt": max(down), "le": max(ks)}.get(op)
+        floor_false = {"lt": min(ks), "le": min(up)}.get(op)
+        ceil_false = {"gt": max(ks), "ge": max(down)}.get(op)
+
+        def cut(bx, lo, hi, nan_ok):
+            lo_t = bx.lo if lo is None else torch.minimum(torch.maximum(bx.lo, torch.tensor(lo, dtype=F64)), bx.hi)
+            hi_t = bx.hi if hi is None else torch.maximum(torch.minimum(bx.hi, torch.tensor(hi, dtype=F64)), lo_t)
+            return Box(lo_t, hi_t, bx.nan if nan_ok else torch.zeros_like(bx.nan))
+
+        if args[1] is x:
+            a = cut(a, floor_true, ceil_true, False)
+        if args[2] is x:
+            b = cut(b, floor_false, ceil_false, True)
+        return iv.where(box(args[0]), a, b)
 
     def _operand_boxes(self, args, out):
         """``box`` for a transfer function, with each operand the kernel converts first (a
