@@ -1,0 +1,242 @@
+"""Cited real bugs that nanpass does not handle yet: the original fails on the trigger (check 1
+of tests/test_real_bugs.py holds) but one of checks 2-4 fails.
+
+Not collected by pytest (no ``test_`` names): the cases wait here, in the harness's own
+``Case``/``Fn`` form, until the guards handle them; then a row moves to ``TABLE`` and its case to
+``CASES`` in tests/test_real_bugs.py. ``python -m tests.real_bugs_pending`` runs every case through
+the same checks (``test_real_bug``) and prints what fails.
+
+Each ``PENDING`` row: id, report (URL), op class, trigger, and what fails (measured on torch 2.13
+CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tests.test_real_bugs import (
+    _PAIRS,
+    CASES,
+    INF,
+    Case,
+    Fn,
+    H,
+    _f,
+    _lin,
+    _md_pos_safe,
+    _md_pos_trigger,
+    _one,
+    _selective_scan,
+    _state_A,
+    leaf,
+    test_real_bug,
+)
+
+# id, report (URL), op class, trigger, what fails
+PENDING: list[tuple[str, str, str, str, str]] = [
+    ("md_force_training_padded_atoms", "https://github.com/aiqm/torchani/pull/193",
+     "MD: autograd.grad(create_graph) of sqrt(sum(d**2))", "two zero-padded atoms at the origin: pair distance 0",
+     "[2] harden: the position and weight gradients are NaN: the double backward of the sqrt "
+     "composite (DivBackward0, the derivative of sqrt's backward grad / (2 sqrt(x)) at x = 0) "
+     "is not guarded; [3] backend raises RuntimeError: torch.compile with aot_autograd does "
+     "not currently support double backward (a torch limit, the plain model raises the same)"),
+    ("md_vector_feature_zero_norm", "https://github.com/torchmd/torchmd-net/issues/77",
+     "MD: norm of a zero vector feature, forces", "an atom beyond the cutoff keeps an all-zero vector feature",
+     "[2] passes (harden finite); [3] backend raises RuntimeError: torch.compile with "
+     "aot_autograd does not currently support double backward (a torch limit, not a guard)"),
+    ("gcn_isolated_node_inf_mask", "https://github.com/mlx-graphs/mlx-graphs/pull/18",
+     "graph: deg.pow(-0.5) with the user's inf mask", "an isolated node (zero degree): the user's mask fires",
+     "[2] and [3]: adj's gradient is non-finite: the pow guard returns a finite saturated "
+     "value for deg.pow(-0.5) at deg = 0, so the user's d[d == inf] = 0 mask no longer fires "
+     "and the saturated values meet in the backward (issue 19 item 2, 'user code that handles "
+     "inf itself')"),
+    ("han_semantic_attention_empty", "https://github.com/pyg-team/pytorch_geometric/issues/4826",
+     "graph: mean over an empty dimension", "HANConv group() over zero nodes",
+     "[2] and [3]: q's gradient is NaN: torch.tanh(k_lin(out)).mean(1) over the empty node "
+     "dimension is NaN (mean of zero elements, unguarded), and the backward of m.q * mean "
+     "(MulBackward0) hands q that NaN; the output itself is empty"),
+    ("scatter_logsumexp_masked_group", "https://github.com/rusty1s/pytorch_scatter/pull/369",
+     "graph: scatter logsumexp", "a group whose every source is -inf (masked)",
+     "[2] and [3]: output NaN for the all-masked group: src - max_per_index[index] is (-inf) - "
+     "(-inf) (sub of the user's own -inf, outside the guards' finite-operand scope), then exp, "
+     "index_add and log carry the NaN"),
+    ("mamba_fp16_selective_scan", "https://github.com/state-spaces/mamba/issues/812",
+     "SSM: delta * B * u in float16", "a float16 Mamba layer: delta B u past 65504",
+     "[2] and [3]: output +inf and the gradients of delta, A_log, B, C non-finite: the float16 "
+     "product delta[..., None] * B * u[..., None] = 90000 overflows 65504; elementwise mul of "
+     "finite operands is left by the overflow policy (neither harden nor the backend saturates "
+     "it)"),
+    ("giou_fp16_area_overflow", "https://github.com/facebookresearch/fvcore/pull/114",
+     "detection fp16: GIoU areas", "float16 boxes 300 wide: the area overflows 65504",
+     "[2] passes (harden finite); [3] backend(aot_eager): output and gradients NaN: "
+     "nanpass.backend fails on aten.nonzero.default (from the boolean-mask assignment "
+     "intsctk[mask] = ...), dynamo falls back and runs that frame unrewritten, so the float16 "
+     "area product 300 * 300 = inf reaches inf - inf"),
+    ("sinkhorn_kernel_underflow", "https://github.com/PythonOT/POT/issues/54",
+     "OT: a / (K v), K = exp(-M / reg)", "reg = 0.01: the kernel underflows to 0",
+     "[2] and [3]: the weight g's gradient is NaN: K = exp(-M g / reg) underflows to 0 in row "
+     "0, the guarded a / (K @ v) returns a saturated u_0, and in the next update K.T @ u the "
+     "backward to K (u outer grad) overflows there and meets K = 0 (inf * 0); anomaly mode "
+     "names DivBackward0 (of -M g / reg) as the first NaN"),
+    ("protenix_flat_bottom_inf_upper", "https://github.com/bytedance/Protenix/issues/336",
+     "MD: where(value > upper, k (value - upper)**2, 0)", "an upper bound of +inf (clash-only pair)",
+     "[2] and [3]: the value and k gradients are NaN: the user's +inf upper bound makes (value "
+     "- upper) ** 2 = inf in the branch torch.where masks; its backward 2 (value - inf) times "
+     "the where's 0 is -inf * 0 (issue 19 item 2, 'an infinity the user makes on purpose')"),
+]
+
+
+def _sinkhorn(m, a, b, M, reg, iters=5):
+    K = torch.exp(-M * m.g / reg)
+    u = torch.ones_like(a) / a.shape[0]
+    v = torch.ones_like(b) / b.shape[0]
+    for _ in range(iters):
+        u = a / (K @ v)
+        v = b / (K.T @ u)
+    P = u[:, None] * K * v[None, :]
+    return (P * M).sum()
+
+
+def _gcn_dense(m, x, adj):
+    # Kipf's normalize_adj on a dense (learned) adjacency: D^-1/2 A D^-1/2, inf -> 0
+    deg = adj.sum(1)
+    d_inv_sqrt = deg.pow(-0.5)
+    d_inv_sqrt[d_inv_sqrt == float("inf")] = 0
+    a_norm = d_inv_sqrt[:, None] * adj * d_inv_sqrt[None, :]
+    return a_norm @ m.lin(x)
+
+
+def _ot_M_apart(n=4):
+    x = torch.linspace(0, 1.5, n)
+    return (x[:, None] - (x[None, :] + 1.2)) ** 2
+
+
+def _md_far_trigger():  # atom 3 far outside the cutoff of every other atom; atoms 0..2 close
+    return (leaf(torch.tensor([[1.0, 0.2, 0.0], [0.0, 1.1, 0.3], [0.2, -0.9, 0.4], [9.0, 9.0, 9.0]])),)
+
+
+def _md_force_training(m, pos):
+    # training on forces: -dE/dpos with create_graph, the energy on sqrt(sum(d**2)) of
+    # zero-padded atoms (the table's md_forces_zero_padded_atoms, differentiated once more)
+    d = pos[_PAIRS[0]] - pos[_PAIRS[1]]
+    r = torch.sqrt((d ** 2).sum(-1))
+    energy = (m.w * torch.exp(-r)).sum()
+    return -torch.autograd.grad(energy, pos, create_graph=True)[0]
+
+
+def _md_vector_norm(m, pos, cutoff=3.0):
+    # torchmd-net ET: vector features accumulated from neighbours inside the cutoff; an atom
+    # beyond it keeps vec = 0, and the output uses its norm
+    d = pos[_PAIRS[0]] - pos[_PAIRS[1]]
+    r = d.norm(dim=-1, keepdim=True)
+    inside = (r < cutoff).to(pos.dtype)
+    msg = m.w * d * inside
+    vec = torch.zeros_like(pos).index_add(0, _PAIRS[0], msg).index_add(0, _PAIRS[1], -msg)
+    energy = torch.linalg.vector_norm(vec, dim=-1).sum()
+    return -torch.autograd.grad(energy, pos, create_graph=True)[0]
+
+
+def _giou_loss(m, boxes1, boxes2, eps=1e-7):
+    # fvcore giou_loss, run in float16 before #114
+    boxes1 = boxes1 * m.g
+    x1, y1, x2, y2 = boxes1.unbind(dim=-1)
+    x1g, y1g, x2g, y2g = boxes2.unbind(dim=-1)
+    xkis1, ykis1 = torch.max(x1, x1g), torch.max(y1, y1g)
+    xkis2, ykis2 = torch.min(x2, x2g), torch.min(y2, y2g)
+    intsctk = torch.zeros_like(x1)
+    mask = (ykis2 > ykis1) & (xkis2 > xkis1)
+    intsctk[mask] = (xkis2[mask] - xkis1[mask]) * (ykis2[mask] - ykis1[mask])
+    unionk = (x2 - x1) * (y2 - y1) + (x2g - x1g) * (y2g - y1g) - intsctk
+    iouk = intsctk / (unionk + eps)
+    xc1, yc1 = torch.min(x1, x1g), torch.min(y1, y1g)
+    xc2, yc2 = torch.max(x2, x2g), torch.max(y2, y2g)
+    area_c = (xc2 - xc1) * (yc2 - yc1)
+    miouk = iouk - ((area_c - unionk) / (area_c + eps))
+    return 1 - miouk
+
+
+def _flat_bottom(m, value, lower, upper):
+    # Protenix _flat_bottom_parabolic: +inf upper bound for clash-only pairs, squared before the
+    # where that masks it
+    k = m.k
+    below = k * (value - lower) ** 2
+    above = k * (value - upper) ** 2
+    return torch.where(value < lower, below, torch.where(value > upper, above, torch.zeros_like(value)))
+
+
+def _han_group(m, out):
+    # HANConv group(): out = stack(xs) of shape (edge types, nodes, dim)
+    attn_score = (m.q * torch.tanh(m.k_lin(out)).mean(1)).sum(-1)
+    attn = F.softmax(attn_score, dim=0)
+    return torch.sum(attn.view(out.shape[0], 1, -1) * out, dim=0)
+
+
+def _scatter_logsumexp(m, src, index):
+    # torch_scatter.scatter_logsumexp before #369
+    n = 3
+    src = src + m.b
+    max_per_index = torch.full((n,), -INF).scatter_reduce(0, index, src, "amax", include_self=True)
+    recentered = src - max_per_index[index]
+    sum_per_index = torch.zeros(n).index_add(0, index, recentered.exp())
+    return sum_per_index.log() + max_per_index
+
+
+PENDING_CASES: dict[str, Case] = {
+    "md_force_training_padded_atoms": Case(
+        lambda: Fn(_md_force_training, params={"w": torch.ones(6)}), _md_pos_trigger, _md_pos_safe),
+    "md_vector_feature_zero_norm": Case(
+        lambda: Fn(_md_vector_norm, params={"w": torch.ones(6, 1)}), _md_far_trigger, _md_pos_safe),
+    "gcn_isolated_node_inf_mask": Case(
+        lambda: Fn(_gcn_dense, mods={"lin": _lin(2, 2)}),
+        lambda: (_f(4, 2), leaf(torch.tensor([[0.0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]]))),
+        lambda: (_f(4, 2), leaf(torch.tensor([[0.0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 1, 0]])))),
+    "han_semantic_attention_empty": Case(
+        lambda: Fn(_han_group, params={"q": _f(1, 4, seed=2)}, mods={"k_lin": _lin(4, 4)}),
+        lambda: (leaf(torch.zeros(2, 0, 4)),),
+        lambda: (leaf(_f(2, 3, 4)),)),
+    "scatter_logsumexp_masked_group": Case(
+        lambda: Fn(_scatter_logsumexp, params={"b": torch.zeros(5)}),
+        lambda: (leaf(torch.tensor([0.5, 1.0, -INF, -INF, 2.0])), torch.tensor([0, 0, 1, 1, 2])),
+        lambda: (leaf(torch.tensor([0.5, 1.0, -3.0, -4.0, 2.0])), torch.tensor([0, 0, 1, 1, 2]))),
+    "mamba_fp16_selective_scan": Case(
+        lambda: Fn(_selective_scan, params={"A_log": _state_A().half(), "B": torch.ones(2, dtype=H),
+                                            "C": torch.ones(2, dtype=H)}),
+        lambda: (leaf(torch.tensor([[300.0, 1.0], [1.0, 1.0]], dtype=H)),
+                 leaf(torch.tensor([[300.0, 0.3], [0.1, 0.1]], dtype=H))),
+        lambda: (leaf(torch.tensor([[3.0, 1.0], [1.0, 1.0]], dtype=H)),
+                 leaf(torch.tensor([[0.5, 0.3], [0.1, 0.1]], dtype=H)))),
+    "giou_fp16_area_overflow": Case(
+        lambda: Fn(_giou_loss, params=_one(H)),
+        lambda: (leaf(torch.tensor([[0.0, 0.0, 300.0, 300.0]], dtype=H)), torch.tensor([[10.0, 10.0, 320.0, 310.0]], dtype=H)),
+        lambda: (leaf(torch.tensor([[0.0, 0.0, 30.0, 30.0]], dtype=H)), torch.tensor([[1.0, 1.0, 32.0, 31.0]], dtype=H))),
+    "sinkhorn_kernel_underflow": Case(
+        lambda: Fn(_sinkhorn, params=_one()),
+        lambda: (leaf(torch.full((4,), 0.25)), torch.tensor([0.1, 0.2, 0.3, 0.4]), _ot_M_apart(), 0.01),
+        lambda: (leaf(torch.full((4,), 0.25)), torch.tensor([0.1, 0.2, 0.3, 0.4]), _ot_M_apart(), 0.5)),
+    "protenix_flat_bottom_inf_upper": Case(
+        lambda: Fn(_flat_bottom, params={"k": torch.ones(())}),
+        lambda: (leaf(torch.tensor([0.5, 3.0])), torch.tensor([2.0, 2.0]), torch.tensor([INF, 4.0])),
+        lambda: (leaf(torch.tensor([0.5, 3.0])), torch.tensor([2.0, 2.0]), torch.tensor([5.0, 4.0]))),
+}
+
+
+def run(bug_id: str) -> str:
+    """The checks of tests/test_real_bugs.py on one pending case: '' when all pass, else the
+    assertion message."""
+    row = next(r for r in PENDING if r[0] == bug_id)
+    CASES[bug_id] = PENDING_CASES[bug_id]
+    try:
+        torch._dynamo.reset()
+        test_real_bug(*row[:4])
+        return ""
+    except AssertionError as e:
+        return str(e)
+    finally:
+        del CASES[bug_id]
+
+
+if __name__ == "__main__":
+    assert [r[0] for r in PENDING] == list(PENDING_CASES)
+    for row in PENDING:
+        print(run(row[0]) or f"{row[0]}: passes every check: move it to tests/test_real_bugs.py")
