@@ -16,10 +16,12 @@ import torch.nn as nn
 import nanpass
 from tests.test_real_bugs import CASES, TABLE
 
-# measured on torch 2.13 CPU: search finds a trigger for 46 of 49 within 2 s each, and certify
+# measured on torch 2.13 CPU: search finds a trigger for 84 of the 95 within 2 s each (45 of the
+# 46 added for issue 19; 39 of the first 49, down from 46 since certify calls more of the
+# original's ops guarded and search skips those; floor: a margin of 2), and certify
 # proves 45 of the first 49 hardened models NaN-free (docs/certify.md; those 49 are frozen in
 # tests/test_certify_corpus.py), a floor for the whole, growing table
-SEARCH_FLOOR = 44
+SEARCH_FLOOR = 82
 CERTIFY_FLOOR = 45
 
 
