@@ -178,48 +178,14 @@ class StepGuard:
         the scale still backs off on overflow. With an optimizer that takes the verdict as a
         tensor (``fused=True``), ``max_consecutive_skips=None`` and no ``scheduler``, nothing is
         read back: the step returns None and ``taken``/``skipped`` are settled when read."""
-        if closure is not None and len(self.optimizers) > 1:
-            raise ConfigError(f"nanpass: StepGuard.step(closure={closure!r}) with "
-                              f"{len(self.optimizers)} optimizers is not valid (the closure would "
-                              "run once per optimizer); valid: closure=None, or one optimizer")
-        if self._scaling():
-            for opt in self.optimizers:
-                try:
-                    self.scaler.unscale_(opt)
-                except RuntimeError as e:  # the user unscaled already (to clip, say): fine
-                    if "already been called" not in str(e):
-                        raise
-        pairs = self._grads()
-        if not pairs:
+        self._check_closure(closure)
+        measured = self._measure()
+        if measured is None:
             return self._take(closure)
-        # FSDP2 gradients are DTensor shards: work on the local shard, sum the norms over ranks
-        sharded = any(hasattr(g, "to_local") for _, g in pairs)
-        grads = [_local(g) for _, g in pairs]
-        # a sparse gradient (nn.Embedding(sparse=True)) may repeat an index: its norm is that of
-        # the coalesced values; clipping scales the stored values, which scales their sum too
-        views = [g.coalesce()._values() if g.is_sparse else g for g in grads]
-        norms = foreach_norm(views, self.norm_type)  # one fused pass over every gradient
-        total = torch.linalg.vector_norm(torch.stack([n.to(views[0].device) for n in norms]),
-                                         self.norm_type)
-        distributed = self.sync and dist.is_available() and dist.is_initialized()
-        if distributed and sharded:
-            powered = total.pow(self.norm_type)
-            dist.all_reduce(powered, op=dist.ReduceOp.SUM)
-            total = powered.pow(1.0 / self.norm_type)
-        nonfinite = ~torch.isfinite(total)
-        # every gradient exactly 0: skipped only when asked (skip_zero), and told apart from a
-        # non-finite step so that it never counts toward max_consecutive_skips
-        zero = (total == 0) if self.skip_zero else torch.zeros_like(nonfinite)
-        flags = torch.stack([nonfinite, zero]).to(torch.float32)
-        if distributed:
+        pairs, grads, norms, total, flags = measured
+        if self._distributed():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank skips together
-        if self.max_norm is not None:
-            # clip the gradients of this step; a non-finite total makes the coefficient 0 here,
-            # and the step is skipped anyway
-            coef = torch.where(torch.isfinite(total), self.max_norm / (total + 1e-6),
-                               torch.zeros_like(total)).clamp(max=1.0)
-            targets = [g._values() if g.is_sparse else g for g in grads]
-            foreach_mul_(targets, coef.to(targets[0].dtype))
+        self._clip(grads, total)
         if self._device_verdict(closure):
             # the optimizer takes the verdict as a tensor (fused Adam/SGD/Adagrad skip the update
             # on the device, as under GradScaler): no host sync at all
@@ -234,8 +200,64 @@ class StepGuard:
             self._pending_calls += 1
             return None
         bad_here, zero_here = (bool(v) for v in flags.tolist())  # the one host sync per step
-        if bad_here or zero_here:
-            return self._skip(pairs, norms, zero_only=not bad_here)
+        return self._decide(bad_here, zero_here, pairs, norms, total, closure)
+
+    # --- the phases of step(), shared with nanpass.SpikeGuard (one read per step for both) ---
+    def _check_closure(self, closure) -> None:
+        if closure is not None and len(self.optimizers) > 1:
+            raise ConfigError(f"nanpass: StepGuard.step(closure={closure!r}) with "
+                              f"{len(self.optimizers)} optimizers is not valid (the closure would "
+                              "run once per optimizer); valid: closure=None, or one optimizer")
+
+    def _distributed(self) -> bool:
+        return self.sync and dist.is_available() and dist.is_initialized()
+
+    def _measure(self):
+        """Unscale, then one fused norm pass: ``(pairs, grads, norms, total, flags)`` with
+        ``flags = [non-finite, all-zero]`` as float32 on the device, not yet all-reduced;
+        None when no parameter has a gradient."""
+        if self._scaling():
+            for opt in self.optimizers:
+                try:
+                    self.scaler.unscale_(opt)
+                except RuntimeError as e:  # the user unscaled already (to clip, say): fine
+                    if "already been called" not in str(e):
+                        raise
+        pairs = self._grads()
+        if not pairs:
+            return None
+        # FSDP2 gradients are DTensor shards: work on the local shard, sum the norms over ranks
+        sharded = any(hasattr(g, "to_local") for _, g in pairs)
+        grads = [_local(g) for _, g in pairs]
+        # a sparse gradient (nn.Embedding(sparse=True)) may repeat an index: its norm is that of
+        # the coalesced values; clipping scales the stored values, which scales their sum too
+        views = [g.coalesce()._values() if g.is_sparse else g for g in grads]
+        norms = foreach_norm(views, self.norm_type)  # one fused pass over every gradient
+        total = torch.linalg.vector_norm(torch.stack([n.to(views[0].device) for n in norms]),
+                                         self.norm_type)
+        if self._distributed() and sharded:
+            powered = total.pow(self.norm_type)
+            dist.all_reduce(powered, op=dist.ReduceOp.SUM)
+            total = powered.pow(1.0 / self.norm_type)
+        nonfinite = ~torch.isfinite(total)
+        # every gradient exactly 0: skipped only when asked (skip_zero), and told apart from a
+        # non-finite step so that it never counts toward max_consecutive_skips
+        zero = (total == 0) if self.skip_zero else torch.zeros_like(nonfinite)
+        flags = torch.stack([nonfinite, zero]).to(torch.float32)
+        return pairs, grads, norms, total, flags
+
+    def _clip(self, grads, total) -> None:
+        if self.max_norm is not None:
+            # clip the gradients of this step; a non-finite total makes the coefficient 0 here,
+            # and the step is skipped anyway
+            coef = torch.where(torch.isfinite(total), self.max_norm / (total + 1e-6),
+                               torch.zeros_like(total)).clamp(max=1.0)
+            targets = [g._values() if g.is_sparse else g for g in grads]
+            foreach_mul_(targets, coef.to(targets[0].dtype))
+
+    def _decide(self, bad: bool, zero: bool, pairs, norms, total, closure) -> bool:
+        if bad or zero:
+            return self._skip(pairs, norms, zero_only=not bad)
         self._last_norm = total
         return self._take(closure)
 
@@ -283,21 +305,9 @@ class StepGuard:
         self.consecutive = 0
         return True
 
-    def _skip(self, pairs, norms, zero_only: bool) -> bool:
-        if zero_only:
-            reason = "every gradient is exactly 0 (no finite sample in the batch?)"
-        else:
-            bad = [(p, _local(g)) for (p, g), n in zip(pairs, norms, strict=True)
-                   if not bool(torch.isfinite(n))]
-            if bad:
-                p, g = bad[0]
-                name = self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
-                what = f"sparse, values: {describe(g.coalesce()._values())}" if g.is_sparse else describe(g)
-                reason = f"non-finite gradient in {name} ({what})"
-                if len(bad) > 1:
-                    reason += f" and {len(bad) - 1} more parameters"
-            else:
-                reason = "another rank had a non-finite gradient"
+    def _skip(self, pairs, norms, zero_only: bool, reason: str | None = None) -> bool:
+        if reason is None:
+            reason = self._reason(pairs, norms, zero_only)
         self._skipped += 1
         if not zero_only:
             self.consecutive += 1
@@ -313,6 +323,21 @@ class StepGuard:
                 "Find the cause with nanpass.locate(model, *inputs, loss_fn=...)"
             )
         return False
+
+    def _reason(self, pairs, norms, zero_only: bool) -> str:
+        if zero_only:
+            return "every gradient is exactly 0 (no finite sample in the batch?)"
+        bad = [(p, _local(g)) for (p, g), n in zip(pairs, norms, strict=True)
+               if not bool(torch.isfinite(n))]
+        if not bad:
+            return "another rank had a non-finite gradient"
+        p, g = bad[0]
+        name = self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+        what = f"sparse, values: {describe(g.coalesce()._values())}" if g.is_sparse else describe(g)
+        reason = f"non-finite gradient in {name} ({what})"
+        if len(bad) > 1:
+            reason += f" and {len(bad) - 1} more parameters"
+        return reason
 
     def state_dict(self) -> dict:
         """The counters and the policy, as plain Python values (``torch.save``-able, and
