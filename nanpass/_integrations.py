@@ -27,11 +27,14 @@ from collections.abc import Mapping
 import torch
 
 from ._errors import ConfigError, NanpassTypeError
+from ._spike import SpikeGuard
 from ._train import StepGuard
 
 _STATE_KEY = "nanpass_guard"  # the guard's counters, inside the optimizer's state_dict
 _OPTIONS = tuple(n for n in inspect.signature(StepGuard.__init__).parameters
-                 if n not in ("self", "optimizer", "scheduler", "scaler"))
+                 if n not in ("self", "optimizer", "scheduler", "scaler")) + ("spike",)
+_SPIKE_OPTIONS = tuple(n for n in inspect.signature(SpikeGuard.__init__).parameters
+                       if n not in ("self", "optimizer", "model", "step_options"))
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -47,7 +50,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
     (None, 1, 0)
 
     ``options`` are StepGuard's (``max_norm``, ``norm_type``, ``sync``,
-    ``max_consecutive_skips``, ``model``, ``skip_zero``); ``guarded.guard`` is the StepGuard and
+    ``max_consecutive_skips``, ``model``, ``skip_zero``), and ``spike=True`` or ``spike={...}``
+    (SpikeGuard's options) makes the guard a ``SpikeGuard``: the closure's loss (or the one given to
+    ``record()``) is checked for spikes, and a rewind restores the model, this optimizer and
+    every gated scheduler. ``guarded.guard`` is the StepGuard (or SpikeGuard) and
     ``taken``, ``skipped``, ``consecutive``, ``last_skip_reason``, ``last_norm`` read its
     counters. ``step(closure)`` evaluates the closure once (with gradients enabled), then checks
     the gradients it left and steps the wrapped optimizer without it, and returns the closure's
@@ -97,7 +103,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if name not in _OPTIONS:
                 raise NanpassTypeError(f"nanpass: GuardedOptimizer got an unexpected option {name!r}; "
                                        f"valid: {', '.join(_OPTIONS)}")
-        self.guard = StepGuard(optimizer, **options)  # checks the optimizer and the options
+        spike = options.pop("spike", None)
+        if spike is None or spike is False:
+            self.guard = StepGuard(optimizer, **options)  # checks the optimizer and the options
+        else:
+            if spike is True:
+                spike = {}
+            if not isinstance(spike, Mapping):
+                raise NanpassTypeError(f"nanpass: GuardedOptimizer spike={spike!r} is not valid; valid: "
+                                       f"True, or a dict of SpikeGuard options ({', '.join(_SPIKE_OPTIONS)})")
+            bad = [k for k in spike if k not in _SPIKE_OPTIONS]
+            if bad:
+                raise NanpassTypeError(f"nanpass: GuardedOptimizer spike= has unexpected option(s) "
+                                       f"{', '.join(map(repr, bad))}; valid: {', '.join(_SPIKE_OPTIONS)}")
+            if options.get("model") is None:
+                raise ConfigError("nanpass: GuardedOptimizer(spike=...) needs model=: a rewind restores "
+                                  "the model's state; valid: model=the module being trained")
+            self.guard = SpikeGuard(optimizer, **options, **spike)
+        self._loss = None  # recorded by record() for the next step()
+        self._batch = None
         self.optimizer = optimizer
         self.last_step_taken: bool | None = None
         self._offset = 0  # keeps _taken_total monotonic across load_state_dict
@@ -181,8 +205,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.last_step_taken = self.guard.step()
+        if isinstance(self.guard, SpikeGuard):
+            seen = self._loss if self._loss is not None else loss
+            rerun = closure if self.guard.rerun else None
+            self._loss = None
+            batch, self._batch = self._batch, None
+            self.last_step_taken = self.guard.step(loss=seen, batch=batch, closure=rerun)
+        else:
+            self.last_step_taken = self.guard.step()
         return loss
+
+    def record(self, loss=None, batch=None) -> None:
+        """With ``spike=``: hand the guard this step's loss and batch identity when the framework
+        calls ``step()`` without a closure (the Trainer). Losses recorded for several micro-batches
+        of one optimizer step are summed; the closure's loss is used when nothing was recorded."""
+        if loss is not None:
+            loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+            self._loss = loss if self._loss is None else self._loss + loss
+        if batch is not None:
+            self._batch = batch
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -226,7 +267,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 return scheduler
             raise ConfigError("nanpass: GuardedOptimizer.gate got a scheduler gated by another "
                               "GuardedOptimizer; valid: a scheduler of this optimizer")
-        return GatedScheduler(scheduler, self)
+        gated = GatedScheduler(scheduler, self)
+        if isinstance(self.guard, SpikeGuard):
+            self.guard.track(scheduler)  # a rewind restores the schedule with the weights
+        return gated
 
 
 class GatedScheduler(torch.optim.lr_scheduler.LRScheduler):
