@@ -325,6 +325,8 @@ class GatedScheduler(torch.optim.lr_scheduler.LRScheduler):
         if total > self._seen:
             self._seen = total
             self.scheduler.step(*args, **kwargs)
+            if isinstance(self.optimizer.guard, SpikeGuard):
+                self.optimizer.guard._scheduler_stepped()
         else:
             self.held += 1
 

@@ -286,6 +286,12 @@ class SpikeGuard:
         if not any(scheduler is s for s in self.schedulers):
             self.schedulers.append(scheduler)
 
+    def _scheduler_stepped(self) -> None:
+        """A framework steps its (gated) scheduler after ``optimizer.step()``, so after the
+        snapshot of that position: refresh the snapshot's schedules."""
+        if self._slots and self._slots[-1].position == self.position:
+            self._slots[-1].rest["schedulers"] = [copy.deepcopy(s.state_dict()) for s in self.schedulers]
+
     # --- the step ---
     def step(self, loss=None, batch=None, closure=None) -> bool:
         """Check, then take the step, skip it, or rewind; return whether it was taken."""
@@ -478,6 +484,16 @@ class SpikeGuard:
         rest = slot.rest
         for s, sd in zip(self.schedulers, rest["schedulers"], strict=False):
             s.load_state_dict(copy.deepcopy(sd))
+            last = getattr(s, "_last_lr", None)
+            groups = getattr(getattr(s, "optimizer", None), "param_groups", None)
+            if last is not None and groups is not None:
+                # the snapshot's param_groups may predate the scheduler's step (a framework steps
+                # it after optimizer.step()): the learning rate is the restored schedule's
+                for g, lr in zip(groups, last, strict=False):
+                    if isinstance(g["lr"], Tensor):
+                        g["lr"].fill_(lr)
+                    else:
+                        g["lr"] = lr
         if self.scaler is not None and rest["scaler"]:
             self.scaler.load_state_dict(copy.deepcopy(rest["scaler"]))
         _set_rng_state(rest["rng"])

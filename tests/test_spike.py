@@ -1,0 +1,309 @@
+"""SpikeGuard (issue 22): a loss spike is detected with one read per step, the guard rewinds in
+memory and skips the batch, the run ends bitwise where a run that never saw the batch ends; a
+re-run tells a transient fault from a reproducible one; every rank of a DDP job agrees."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+import nanpass
+
+N, B, SPIKE = 240, 8, 13  # 30 batches of 8; batch 13 is the spiking one
+
+
+def dataset(spike: int | None = SPIKE, scale: float = 1e3):
+    """Sample index, x, y of a regression; batch ``spike`` scaled by ``scale`` (finite)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 16, generator=g)
+    y = x @ torch.randn(16, 1, generator=g)
+    if spike is not None:
+        rows = slice(spike * B, (spike + 1) * B)
+        x[rows] *= scale
+        y[rows] *= scale
+    return TensorDataset(torch.arange(N), x, y)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 1))
+
+
+def parts(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.05 * s))
+
+
+def batches(ds):
+    return BatchSampler(SequentialSampler(ds), B, drop_last=False)
+
+
+def run_clean(drop=(), ds=None, forward_only=()):
+    """The reference: plain optimizer and scheduler, the batches in ``drop`` never seen, those in
+    ``forward_only`` seen by the forward (dropout draws its mask) but never stepped on."""
+    model = mlp()
+    opt, sched = parts(model)
+    ds = ds if ds is not None else dataset(spike=None)
+    kept = [b for b in batches(ds) if b[0] // B not in drop]
+    torch.manual_seed(1)  # dropout (and the loader's base seed, drawn as the guarded run draws it)
+    for idx, x, y in DataLoader(ds, batch_sampler=kept):
+        if int(idx[0]) // B in forward_only:
+            model(x)
+            continue
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+    return model
+
+
+def run_guarded(ds=None, hook=None, **options):
+    model = mlp()
+    opt, sched = parts(model)
+    ds = ds if ds is not None else dataset()
+    options = {"every": 5, "keep": 2, "window": 8, "scheduler": sched, **options}
+    guard = nanpass.SpikeGuard(opt, model, **options)
+    loader = DataLoader(ds, batch_sampler=nanpass.SkipSampler(batches(ds), guard))
+    torch.manual_seed(1)
+    if hook is not None:
+        model[0].register_forward_hook(hook)
+    for idx, x, y in loader:
+        def forward_backward(x=x, y=y):
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        opt.zero_grad()
+        loss = forward_backward()
+        guard.step(loss=loss, batch=idx, closure=forward_backward if guard.rerun else None)
+    return model, guard
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def ids(batch: int) -> tuple:
+    return tuple(range(batch * B, (batch + 1) * B))
+
+
+# ---------------------------------------------------------------- detect, rewind, skip
+
+
+def test_spike_rewinds_replays_and_ends_bitwise_on_the_run_that_never_saw_the_batch():
+    model, guard = run_guarded()
+    assert guard.rewinds == 1
+    rewound, skipped = guard.events
+    assert rewound["action"] == "rewound" and (rewound["position"], rewound["to"]) == (SPIKE, 10)
+    assert rewound["reason"].startswith("loss spike: ")
+    assert skipped["action"] == "skipped" and skipped["batch"] == ids(SPIKE) and skipped["step"] == SPIKE
+    assert guard.skip_batches == [ids(SPIKE)]
+    assert guard.position == 29 and guard.taken == 29 + 3  # batches 10-12 applied twice
+    # dropout RNG, AdamW state and the LR schedule all rewound with the weights
+    assert same(model, run_clean(drop=(SPIKE,)))
+    assert not same(model, run_clean())  # the spike did matter
+
+
+def test_skip_window_drops_every_batch_since_the_snapshot_as_palm_does():
+    model, guard = run_guarded(skip="window")
+    assert guard.skip_batches == [ids(SPIKE), ids(10), ids(11), ids(12)]
+    assert all(e["reason"] for e in guard.events)
+    assert same(model, run_clean(drop=(10, 11, 12, SPIKE)))
+
+
+def test_a_non_finite_loss_is_skipped_without_a_rewind_and_recorded():
+    ds = dataset(spike=SPIKE, scale=float("inf"))
+    model, guard = run_guarded(ds=ds)
+    assert guard.rewinds == 0 and guard.skipped == 1
+    (event,) = guard.events
+    assert event["batch"] == ids(SPIKE) and event["reason"].startswith("non-finite loss")
+    # no rewind, so the skipped forward's dropout draw stays drawn, as under StepGuard
+    assert same(model, run_clean(forward_only=(SPIKE,)))
+
+
+def test_a_gradient_norm_spike_alone_rewinds_with_grad_factor():
+    # a spike of 30x in x and y: loss x900, gradient norm far above 4 x median; the loss check
+    # is made blind (factor 1e9) so only the gradient check can fire
+    model, guard = run_guarded(ds=dataset(scale=30.0), factor=1e9, grad_factor=4.0)
+    assert guard.rewinds == 1
+    assert guard.events[0]["reason"].startswith("gradient-norm spike: ")
+    assert same(model, run_clean(drop=(SPIKE,)))
+
+
+def test_a_second_spike_skips_the_window_and_a_third_goes_further_back_until_none_is_left():
+    # every batch from SPIKE on spikes: the level moved, and rewinding cannot help
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 16, generator=g)
+    y = x @ torch.randn(16, 1, generator=g)
+    x[SPIKE * B:] *= 1e3
+    y[SPIKE * B:] *= 1e3
+    with pytest.raises(nanpass.SpikeError, match=r"^nanpass: loss spike.*every kept snapshot \(keep=2\)"):
+        run_guarded(ds=TensorDataset(torch.arange(N), x, y))
+
+
+# ---------------------------------------------------------------- classify
+
+
+def test_rerun_calls_a_one_off_activation_fault_transient_and_keeps_the_batch():
+    calls = []
+
+    def poison_once(module, args, out):
+        calls.append(None)
+        if len(calls) == SPIKE + 1:  # the first forward of batch SPIKE only: finite, x1e3
+            return out * 1e3
+
+    model, guard = run_guarded(ds=dataset(spike=None), hook=poison_once, rerun=True)
+    assert len(calls) == 30 + 1  # one re-run
+    (event,) = guard.events
+    assert (event["action"], event["classification"]) == ("kept", "transient")
+    assert "possible hardware fault" in event["reason"] and event["batch"] == ids(SPIKE)
+    assert guard.skip_batches == [] and guard.rewinds == 0
+    assert same(model, run_clean(ds=dataset(spike=None)))  # as if the fault never happened
+
+
+def test_rerun_calls_a_poisoned_batch_reproducible_and_quarantines_it():
+    model, guard = run_guarded(rerun=True)
+    rewound, skipped = guard.events
+    assert rewound["classification"] == skipped["classification"] == "reproducible"
+    assert skipped["batch"] == ids(SPIKE) and skipped["reason"].startswith("reproducible: loss spike")
+    assert guard.skip_batches == [ids(SPIKE)]
+    assert same(model, run_clean(drop=(SPIKE,)))
+
+
+# ---------------------------------------------------------------- cost, state, log
+
+
+def test_one_host_read_per_step_and_none_extra_when_nothing_fires(monkeypatch):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)  # Adam reads its own step
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.05 * s))
+    ds = dataset(spike=None)
+    guard = nanpass.SpikeGuard(opt, model, every=4, window=8, grad_factor=10.0, scheduler=sched)
+    steps = list(batches(ds))
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            reads.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for b in steps:
+        idx, x, y = ds[b]
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        assert guard.step(loss=loss, batch=idx)
+    monkeypatch.undo()
+    assert reads == ["tolist"] * len(steps), reads  # snapshots (every 4) read nothing either
+    assert guard.events == []
+
+
+def test_snapshot_round_trips_through_the_distributed_checkpoint_helpers():
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    model = mlp()
+    opt, sched = parts(model)
+    ds = dataset(spike=None)
+    guard = nanpass.SpikeGuard(opt, model, every=5, keep=2, scheduler=sched)
+    for i, b in enumerate(batches(ds)):
+        idx, x, y = ds[b]
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        guard.step(batch=idx)
+        if i == 24:  # position 25: the older of the two kept snapshots
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+            moments = [{k: t.clone() for k, t in s.items()} for s in opt.state.values()]
+            lr = sched.get_last_lr()
+    assert guard.snapshot_bytes == 3 * sum(p.numel() * 4 for p in model.parameters()) + 4 * 4
+    buf = io.BytesIO()
+    torch.save(guard.snapshot_state_dict(0), buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert saved["position"] == 25
+    plain = mlp()
+    set_model_state_dict(plain, saved["model"])  # the helpers' own format
+    assert all(torch.equal(v, weights[k]) for k, v in plain.state_dict().items())
+    fresh = mlp()
+    fopt, fsched = parts(fresh)
+    nanpass.SpikeGuard(fopt, fresh, scheduler=fsched).load_snapshot(saved)
+    assert all(torch.equal(v, weights[k]) for k, v in fresh.state_dict().items())
+    assert fsched.get_last_lr() == lr
+    for got, want in zip(fopt.state.values(), moments, strict=True):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_events_go_to_a_json_lines_log(tmp_path):
+    path = tmp_path / "spikes.jsonl"
+    _, guard = run_guarded(log=path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["action"] for line in lines] == ["rewound", "skipped"]
+    assert lines[1]["batch"] == list(ids(SPIKE)) and lines[1]["step"] == SPIKE
+
+
+def test_guarded_optimizer_with_spike_rewinds_through_the_closure():
+    model = mlp()
+    inner, sched = parts(model)
+    guarded = nanpass.GuardedOptimizer(inner, model=model, spike={"every": 5, "window": 8})
+    gated = guarded.gate(sched)
+    ds = dataset()
+    loader = DataLoader(ds, batch_sampler=nanpass.SkipSampler(batches(ds), guarded))
+    torch.manual_seed(1)
+    for idx, x, y in loader:
+        def closure(x=x, y=y):
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        guarded.zero_grad()
+        guarded.record(batch=idx)
+        guarded.step(closure)  # as Lightning calls it: the closure's loss is the one checked
+        gated.step()
+    assert guarded.guard.rewinds == 1 and guarded.guard.skip_batches == [ids(SPIKE)]
+    assert same(model, run_clean(drop=(SPIKE,)))
+
+
+# ---------------------------------------------------------------- bad options
+
+
+@pytest.mark.parametrize("option, value", [
+    ("factor", 1), ("factor", 0.5), ("factor", float("inf")), ("every", 0), ("keep", 0),
+    ("window", 1), ("warmup", 0), ("warmup", 65), ("grad_factor", 1.0), ("skip", "both"),
+])
+def test_bad_options_are_config_errors_naming_the_value(option, value):
+    model = mlp()
+    with pytest.raises(nanpass.ConfigError) as e:
+        nanpass.SpikeGuard(torch.optim.SGD(model.parameters(), lr=0.1), model, **{option: value})
+    msg = str(e.value)
+    assert msg.startswith(f"nanpass: SpikeGuard {option}={value!r}") and "valid:" in msg
+
+
+@pytest.mark.parametrize("option, value", [("factor", "4"), ("every", 2.5), ("rerun", 1)])
+def test_options_of_the_wrong_type_are_type_errors(option, value):
+    model = mlp()
+    with pytest.raises(nanpass.NanpassTypeError, match=rf"^nanpass: SpikeGuard {option}="):
+        nanpass.SpikeGuard(torch.optim.SGD(model.parameters(), lr=0.1), model, **{option: value})
+
+
+def test_misuse_is_a_nanpass_error():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanpass.NanpassTypeError, match="^nanpass: SpikeGuard model="):
+        nanpass.SpikeGuard(opt, None)
+    guard = nanpass.SpikeGuard(opt, model, rerun=True)
+    with pytest.raises(nanpass.ConfigError, match=r"^nanpass: SpikeGuard\(rerun=True\).step\(\) needs closure"):
+        guard.step(loss=torch.tensor(1.0))
+    with pytest.raises(nanpass.NanpassTypeError, match="^nanpass: SkipSampler guard="):
+        nanpass.SkipSampler([[0]], nanpass.StepGuard(opt))
+    with pytest.raises(nanpass.ConfigError, match=r"^nanpass: GuardedOptimizer\(spike=...\) needs model="):
+        nanpass.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), spike=True)
+    with pytest.raises(nanpass.NanpassTypeError, match="^nanpass: GuardedOptimizer spike= has unexpected"):
+        nanpass.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                 spike={"factr": 3})
