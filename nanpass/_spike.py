@@ -375,19 +375,19 @@ class SpikeGuard:
             else:
                 parts.append("another rank had a non-finite loss or gradient")
         if v["loss_spike"]:
-            if v["loss"] is not None and self._n >= self.warmup:
-                med = float(self._median(self._hist, self._n))
-                parts.append(f"loss spike: {float(v['loss']):.6g} > {self.factor:g} x median "
-                             f"{med:.6g} of the last {min(self._n, self.window)} losses")
-            else:
-                parts.append("loss spike on another rank")
+            here = v["loss"] is not None and self._n >= self.warmup
+            if here:
+                loss, med = float(v["loss"]), float(self._median(self._hist, self._n))
+                here = loss > self.factor * med
+            parts.append(f"loss spike: {loss:.6g} > {self.factor:g} x median {med:.6g} of the last "
+                         f"{min(self._n, self.window)} losses" if here else "loss spike on another rank")
         if v["grad_spike"]:
-            if v["total"] is not None and self._gn >= self.warmup:
-                med = float(self._median(self._ghist, self._gn))
-                parts.append(f"gradient-norm spike: {float(v['total']):.6g} > {self.grad_factor:g} x "
-                             f"median {med:.6g}")
-            else:
-                parts.append("gradient-norm spike on another rank")
+            here = v["total"] is not None and self._gn >= self.warmup
+            if here:
+                norm, med = float(v["total"]), float(self._median(self._ghist, self._gn))
+                here = norm > self.grad_factor * med
+            parts.append(f"gradient-norm spike: {norm:.6g} > {self.grad_factor:g} x median {med:.6g}"
+                         if here else "gradient-norm spike on another rank")
         return "; ".join(parts)
 
     def _act(self, v: dict, batch, classification) -> bool:

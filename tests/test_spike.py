@@ -307,3 +307,150 @@ def test_misuse_is_a_nanpass_error():
     with pytest.raises(nanpass.NanpassTypeError, match="^nanpass: GuardedOptimizer spike= has unexpected"):
         nanpass.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
                                  spike={"factr": 3})
+
+
+# ---------------------------------------------------------------- slow tier: GPT-2, DDP, frameworks
+
+
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def gpt2_run(spike: int | None, guard_options: dict | None, drop=(), steps: int = 20):
+    """Next-token training of a tiny GPT-2 (dropout on) on 4 x 32 token batches; batch ``spike``
+    has its loss scaled by 1e3 (a mis-weighted batch: finite everywhere). Returns the model, the
+    guard and the loss of every step call."""
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 512, (steps * 4, 32), generator=g)
+    weight = torch.ones(steps * 4)
+    if spike is not None:
+        weight[spike * 4:(spike + 1) * 4] = 1e3
+    ds = TensorDataset(torch.arange(steps * 4), tokens, weight)
+    order = [b for b in BatchSampler(SequentialSampler(ds), 4, False) if b[0] // 4 not in drop]
+    guard = None
+    if guard_options is not None:
+        guard = nanpass.SpikeGuard(opt, model, scheduler=sched, **guard_options)
+        order = nanpass.SkipSampler(order, guard)
+    losses = []
+    torch.manual_seed(1)
+    for idx, ids_, w in DataLoader(ds, batch_sampler=order):
+        opt.zero_grad()
+        loss = model(input_ids=ids_, labels=ids_).loss * w.mean()
+        loss.backward()
+        losses.append(float(loss))
+        if guard is None:
+            opt.step()
+            sched.step()
+        else:
+            guard.step(loss=loss, batch=idx)
+    return model, guard, losses
+
+
+@pytest.mark.slow
+def test_gpt2_spike_rewinds_skips_and_ends_bitwise_on_the_run_without_the_batch():
+    model, guard, _ = gpt2_run(11, {"every": 4, "window": 6, "keep": 2})
+    assert guard.rewinds == 1 and guard.skip_batches == [tuple(range(44, 48))]
+    assert [e["action"] for e in guard.events] == ["rewound", "skipped"]
+    assert guard.events[0]["to"] == 8 and guard.position == 19
+    clean, _, _ = gpt2_run(None, None, drop=(11,))
+    assert same(model, clean)
+    unguarded, _, _ = gpt2_run(11, None)
+    assert not same(unguarded, clean)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_train(rank: int, mode: str, guarded: bool, drop=()):
+    """Each rank trains on its own 20 batches; rank 1's batch 9 is scaled by 1e3."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+        wrapped = model
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(160, 16, generator=g)
+    y = x.sum(1, keepdim=True)
+    if guarded and rank == 1:
+        x[72:80] *= 1e3
+        y[72:80] *= 1e3
+    ds = TensorDataset(torch.arange(160), x, y)
+    order = [b for b in BatchSampler(SequentialSampler(ds), 8, False) if b[0] // 8 not in drop]
+    guard = None
+    if guarded:
+        guard = nanpass.SpikeGuard(opt, model, every=4, window=6)
+        order = nanpass.SkipSampler(order, guard)
+    for idx, xb, yb in DataLoader(ds, batch_sampler=order):
+        opt.zero_grad()
+        loss = ((wrapped(xb) - yb) ** 2).mean()
+        loss.backward()
+        if guard is None:
+            opt.step()
+        else:
+            guard.step(loss=loss, batch=idx)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+             for k, v in model.state_dict().items()}
+    dist.barrier()
+    return state, guard
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str, mode: str):
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        state, guard = _ddp_train(rank, mode, guarded=True)
+        clean, _ = _ddp_train(rank, mode, guarded=False, drop=(9,))
+        torch.save({"state": state, "clean": clean, "events": guard.events, "position": guard.position,
+                    "skip": guard.skip_batches}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # gloo's threads can abort at interpreter teardown (see test_distributed.py)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_ddp_every_rank_rewinds_together_and_the_weights_agree(tmp_path, mode):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, str(tmp_path), mode)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung: deadlock"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    for r, res in enumerate((r0, r1)):
+        rewound = [e for e in res["events"] if e["action"] == "rewound"]
+        assert [(e["step"], e["position"], e["to"], e["rank"]) for e in rewound] == [(9, 9, 8, r)]
+        assert res["position"] == 19
+        assert res["skip"] == [tuple(range(72, 80))]  # each rank skips its own batch 9
+    assert "another rank" in r0["events"][0]["reason"] and r1["events"][0]["reason"].startswith("loss spike")
+    for k, v in r0["state"].items():
+        assert torch.equal(v, r1["state"][k]), k  # the ranks agree, bit for bit
+        assert torch.equal(v, r0["clean"][k]), k  # and equal the run without batch 9
