@@ -451,6 +451,12 @@ class Analysis(TorchDispatchMode):
             results = [Box.point(t) for t in outs]  # constants in, the concrete value out: exact
         else:
             results = self.transfer(func, name, base, args, kwargs, out if not mutated else mutated[0])
+            if base == "_softmax" and self.hardened and self._where()[3] in ("softmax", "softmin"):
+                # the guard (masked_rows) moved every all -inf row and +inf entry: a relation
+                # between its amax and its where that boxes do not keep
+                dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                box = iv.softmax_box(self.box(args[0]), dim, masked_rows=True)
+                results = [iv.within(iv.widen(box, outs[0].dtype, k=8), 0.0, 1.0)]
         results = list(results) + [None] * (len(outs) - len(results))
         fixed = []
         for t, b in zip(outs, results, strict=False):

@@ -46,15 +46,37 @@ def _finite(*ts: torch.Tensor) -> bool:
 
 def _walk(start: float, dtype: torch.dtype, towards: float, ok: Callable) -> float:
     """The first value from ``start`` (rounded into dtype) towards ``towards`` where ok(t)."""
-    # float64 estimates can sit a few float32 ulps on the wrong side; nudge them first
     t = _t(start, dtype)
     if not (_finite(t) and ok(t)) and dtype in (torch.float32, torch.float64):
-        t = _t(start + math.copysign(abs(start) * 1e-4, towards - start), dtype)
+        # float64 estimates can sit many ulps on the wrong side: jump past them, then bisect
+        # back to the first ok value (a bound that is an ulp too tight changes the original's
+        # finite bits there: exp(88.7228) is finite in float32)
+        jump = _t(start + math.copysign(abs(start) * 1e-4, towards - start), dtype)
+        if _finite(jump) and ok(jump) and (jump > 0) == (t > 0):
+            return _bisect(t, jump, ok)
     for _ in range(4096):
         if _finite(t) and ok(t):
             return float(t.item())
         t = _step(t, towards)
     raise AssertionError(f"no safe bound found for {dtype} from {start}")  # pragma: no cover
+
+
+_INTS = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _bisect(bad: torch.Tensor, good: torch.Tensor, ok: Callable) -> float:
+    """The ok value next to ``bad``, between ``bad`` (not ok) and ``good`` (ok), of one sign:
+    floats of one sign are ordered as their bit patterns."""
+    ints = _INTS[good.dtype]
+    b, g = int(bad.view(ints)), int(good.view(ints))
+    while abs(b - g) > 1:
+        mid = (b + g) // 2
+        m = torch.tensor(mid, dtype=ints).view(good.dtype)
+        if _finite(m) and ok(m):
+            g = mid
+        else:
+            b = mid
+    return float(torch.tensor(g, dtype=ints).view(good.dtype).item())
 
 
 @dataclass(frozen=True)
@@ -71,7 +93,7 @@ class Bounds:
     eps: float
     below_one: float  # largest value < 1: atanh and logit stay finite below it
     above_minus_one: float  # smallest value > -1: log1p and atanh stay finite above it
-    exp_hi: float  # largest x with exp(x) finite (one ulp of slack for other backends)
+    exp_hi: float  # largest x with exp(x) finite: the original's own value up to there
     exp2_hi: float
     mask_low: float  # a finite "minus infinity" for attention masks; two of them still add up finite
 
@@ -86,8 +108,7 @@ def bounds(dtype: torch.dtype) -> Bounds:
     sat = float(fi.max) / HEADROOM  # a power of two: exact in every dtype
 
     def exp_bound(fn: Callable, start: float) -> float:
-        hi = _walk(start, dtype, -math.inf, lambda t: _finite(fn(t)))
-        return float(_step(_t(hi, dtype), -math.inf).item())
+        return _walk(start, dtype, -math.inf, lambda t: _finite(fn(t)))
 
     one = torch.tensor(1.0, dtype=dtype)
     return Bounds(

@@ -225,18 +225,72 @@ def _unary(args, kwargs):
 # -- elementwise ops with a closed safe domain ----------------------------------------------
 
 
-def clamped(lo: str | None, hi: str | None) -> Callable:
+def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
+            singular: Callable | None = None) -> Callable:
     """fn(clamp(x, lo, hi)) with a finite-gradient fence between clamp and fn (the exp family,
-    whose derivatives are finite on the clamped domain, needs none: ``overflowing``)."""
+    whose derivatives are finite on the clamped domain, needs none: ``overflowing``).
+
+    ``open_at``: the op is finite on the whole open interval above it (log of a subnormal is
+    -103, not -inf), so while ``lo`` is the dtype's tiny (no tighter bound asked for) only
+    operands at or below ``open_at`` are moved to ``lo``, and a subnormal keeps the original's
+    value; its infinite derivative is the fence's.
+
+    ``singular(xs)``: (where the derivative is infinite, a safe operand, the op's value there)
+    for an op whose only infinite derivative sits at known points of the clamped domain (sqrt
+    at 0, acos at +-1). There the op runs on the safe operand and the result is its exact
+    value with derivative 0 (the double-where form): no derivative of any order is infinite,
+    so second derivatives through a composite (forces from sqrt(sum(d ** 2)) at d = 0, then a
+    loss on the forces) stay finite, where a fence masks only after the first-order inf."""
 
     def impl(fn, args, kwargs, consts, fence):
         x, rest, kw = _unary(args, kwargs)
         c = consts(x.dtype)
-        xs = torch.clamp(x, c[lo] if lo else None, c[hi] if hi else None)
+        low, top = (c[lo] if lo else None), (c[hi] if hi else None)
+        if open_at is not None and low == bounds(x.dtype).tiny:
+            # x <= open_at: a subnormal a flush-to-zero CPU reads as 0 is moved too; NaN stays
+            xs = torch.where(x <= open_at, low, x)
+            if top is not None:
+                xs = torch.clamp(xs, None, top)
+        else:
+            xs = torch.clamp(x, low, top)
         _count(lambda: xs != x)
-        return fn(fence(xs), *rest, **kw)
+        if singular is None:
+            return fn(fence(xs), *rest, **kw)
+        at, safe, value = singular(xs)
+        # the fence still takes a derivative that overflows next to the point (sqrt's second
+        # derivative at tiny)
+        return value(at, fn(fence(torch.where(at, safe, xs)), *rest, **kw))
 
     return impl
+
+
+@memo
+def _value(op: Callable, x: float, dtype: torch.dtype) -> float:
+    """The kernel's own value of ``op`` at ``x`` in ``dtype`` (acos(-1) is pi rounded)."""
+    return float(op(torch.tensor(x, dtype=dtype)))
+
+
+def at_zero(xs: Tensor):
+    """sqrt: infinite derivative at +-0, where the value is the operand itself (sqrt(-0.0) is
+    -0.0). Each ``at_*`` gives (where, a safe operand, y -> the result with the op's own value
+    there): Python numbers in ``where`` keep y's dtype."""
+    return xs == 0, 1.0, lambda at, y: torch.where(at, xs.detach(), y)
+
+
+def at_one(xs: Tensor):
+    """acosh: infinite derivative at 1, where the value is 0."""
+    return xs == 1, 2.0, lambda at, y: torch.where(at, 0.0, y)
+
+
+def at_unit(op: Callable) -> Callable:
+    """acos, asin: infinite derivative at +-1; the value there is the kernel's own."""
+
+    def at(xs: Tensor):
+        hi, lo = _value(op, 1.0, xs.dtype), _value(op, -1.0, xs.dtype)
+        return (xs.abs() == 1, 0.0,
+                lambda at, y: torch.where(at & (xs > 0), hi, torch.where(at, lo, y)))
+
+    return at
 
 
 def overflowing(hi: str, own: str) -> Callable:
@@ -269,7 +323,10 @@ def logit(fn, args, kwargs, consts, fence):
     lo, hi = c["lo"], c["hi"]
     if eps is not None:  # respect the user's eps, but never 1 - eps == 1.0
         lo, hi = max(lo, _in_dtype(eps, x.dtype)), min(hi, _in_dtype(1 - eps, x.dtype))
-    xs = torch.clamp(x, lo, hi)
+    if lo == bounds(x.dtype).tiny:  # a subnormal keeps its finite logit (see clamped)
+        xs = torch.clamp(torch.where(x <= 0, lo, x), None, hi)
+    else:
+        xs = torch.clamp(x, lo, hi)
     _count(lambda: xs != x)
     return fn(fence(xs), *rest, **kw)
 
@@ -316,13 +373,23 @@ def pow_(fn, args, kwargs, consts, fence):
         xs = _away_from_zero(x, dom.away) if dom.away else torch.clamp(x, dom.lo, dom.hi)
         moved = xs != x
         _count(lambda: moved)
-        # the domain keeps p * x ** (p - 1) finite, except at 0 when 0 < p < 1: fence only there
-        # (a fence is a backward kernel of its own: GPT-2's x ** 3 pays for none)
-        y = fn(fence(xs) if 0 < p < 1 else xs, p, *rest, **kw)
+        # the domain keeps p * x ** (p - 1) finite, except at 0 when 0 < p < 1: there the power
+        # runs on 1 and the result is 0 (+-0 ** p is +0), with derivative 0 at every order
+        # (the double-where form, see clamped; GPT-2's x ** 3 pays for none of it)
+        if 0 < p < 1:
+            at = xs == 0
+            y = torch.where(at, 0.0, fn(fence(torch.where(at, 1.0, xs)), p, *rest, **kw))
+        else:
+            y = fn(xs, p, *rest, **kw)
         if p < 0 or dom.hi is not None and dom.hi < bounds(x.dtype).max:
             # a base moved in from where the power overflows: +-sat (max / 16), not +-max,
             # headroom for the next op; a base moved up to 0 (x ** 0.5 of x < 0) gives 0
             y = torch.where(moved, y.sign() * bounds(y.dtype).sat, y)
+        if p < 0:
+            # 0 ** p (p < 0) is inf: 0, as the division guard makes 1 / 0 (divide_no_nan). What
+            # a user's own handling makes of it too (GCN: d = deg ** -0.5; d[d == inf] = 0), so
+            # a product with it (d[row] * w * d[col]) and its gradient stay finite
+            y = torch.where(x == 0, 0.0, y)
         return y
     # a tensor exponent: any base, any exponent; saturate the value, fence the gradients
     return finite(fn(fence(x), fence(p), *rest, **kw))
@@ -332,16 +399,68 @@ def pow_(fn, args, kwargs, consts, fence):
 
 
 def finite_operand(fn, args, kwargs, consts, fence):
-    """softmax: a row of -inf becomes uniform (the limit of equal logits), +inf cannot make
-    NaN; logsigmoid: -inf gives -max instead of -inf."""
+    """logsigmoid: -inf gives -max instead of -inf."""
     x, rest, kw = _unary(args, kwargs)
     return fn(finite(x), *rest, **kw)
 
 
+def _softmax_dim(fn, rest, kw, x: Tensor):
+    """The dim a softmax/softmin reduces over, however it was spelled (an nn.Softmax keeps it
+    on the instance; F.softmax(x) with no dim picks torch's legacy one)."""
+    if isinstance(fn, torch.nn.Softmax2d):
+        return -3
+    if isinstance(fn, torch.nn.Module):
+        dim = getattr(fn, "dim", None)
+    else:
+        dim = rest[0] if rest else kw.get("dim")
+    if dim is None:
+        dim = 0 if x.dim() in (0, 1, 3) else 1
+    return dim
+
+
+def masked_rows(sign: int) -> Callable:
+    """softmax (``sign`` 1) and softmin (-1): NaN comes only from a row that is all masked
+    (every entry -inf; +inf for softmin) or from an entry of the other infinity. Only those
+    are moved (to +-sat: a fully masked row becomes uniform, the limit of equal logits); a row
+    with any unmasked entry keeps its -inf entries as they are, so its softmax is the
+    original's bit for bit, also next to entries as low as -max, where any finite stand-in
+    for -inf would win."""
+    masked = -sign * float("inf")
+
+    def impl(fn, args, kwargs, consts, fence):
+        x, rest, kw = _unary(args, kwargs)
+        if not x.is_floating_point():
+            return fn(x, *rest, **kw)
+        dim = _softmax_dim(fn, rest, kw, x)
+        with torch.no_grad():
+            top = x.amax(dim, keepdim=True) if sign > 0 else x.amin(dim, keepdim=True)
+            bad = (top == masked) | (x == -masked)
+        _count(lambda: bad.expand_as(x))
+        return fn(torch.where(bad, sign * bounds(x.dtype).sat, x), *rest, **kw)
+
+    return impl
+
+
 def finite_in_out(fn, args, kwargs, consts, fence):
-    """log_softmax, logsumexp: finite operand, and the result saturated (it can reach -inf)."""
+    """log_softmax: finite operand, and the result saturated (a -inf entry gives -inf there)."""
     x, rest, kw = _unary(args, kwargs)
     return finite(fn(finite(x), *rest, **kw))
+
+
+def logsumexp(fn, args, kwargs, consts, fence):
+    """All -inf is -inf with a NaN gradient; +inf is inf. Only those move: an all -inf slice
+    to -sat, +inf to +sat, and the result saturated. -inf entries next to a finite one are
+    kept (logsumexp(-max, -inf) is -max, where a finite stand-in for -inf could win)."""
+    x, rest, kw = _unary(args, kwargs)
+    if not x.is_floating_point():
+        return fn(x, *rest, **kw)
+    dim = rest[0] if rest else kw.get("dim")
+    sat = bounds(x.dtype).sat
+    with torch.no_grad():
+        empty = x.amax(dim, keepdim=True) == float("-inf")
+    _count(lambda: empty.expand_as(x) | (x == float("inf")))
+    xs = torch.where(empty, -sat, torch.where(x == float("inf"), sat, x))
+    return finite(fn(xs, *rest, **kw))
 
 
 def finite_result(fn, args, kwargs, consts, fence):
@@ -353,8 +472,15 @@ def finite_result(fn, args, kwargs, consts, fence):
 def xlogy(fn, args, kwargs, consts, fence):
     (x, y), rest, kw = operands(args, kwargs, ("input", "other"))
     if isinstance(y, Tensor):
+        # xlogy(0, y) is 0 with a finite gradient for every y: there y is the user's; elsewhere
+        # y <= 0 is read as tiny (a subnormal y keeps its finite value, see clamped)
         c = consts(y.dtype)
-        ys = torch.clamp(y, c["lo"], c["hi"])
+        lo = c["lo"]
+        move = y <= 0 if lo == bounds(y.dtype).tiny else y < lo
+        if isinstance(x, Tensor):
+            move = move & (x != 0)
+        ys = y if not isinstance(x, Tensor) and x == 0 else torch.where(move, lo, y)
+        ys = torch.clamp(ys, None, c["hi"])
         _count(lambda: ys != y)
         y = fence(ys)
     return finite(fn(fence(x), y, *rest, **kw))
@@ -390,9 +516,12 @@ def batch_norm(fn, args, kwargs, consts, fence):
     var = args[2] if len(args) > 2 else kwargs.get("running_var")
     if training or not isinstance(var, Tensor):
         return fn(*args, **kwargs)
-    neg = var < 0
+    eps = args[7] if len(args) > 7 else kwargs.get("eps", 1e-5)
+    # only where the kernel's sqrt(var + eps) is NaN or 0: a variance a rounding below 0 that
+    # eps lifts is the original's
+    neg = var + eps <= 0
     _count(lambda: neg)
-    var = torch.where(neg, 0.0, var)
+    var = torch.where(neg, 0.0 if eps > 0 else bounds(var.dtype).tiny, var)
     if len(args) > 2:
         return fn(*args[:2], var, *args[3:], **kwargs)
     return fn(*args, **{**kwargs, "running_var": var})
@@ -453,11 +582,12 @@ def logits_loss(fn, args, kwargs, consts, fence):
 
 
 def cosine_similarity(fn, args, kwargs, consts, fence):
-    """Rounding can put a cosine past +-1 (acos then gives NaN): clamp it back. A zero vector
-    in float16 gives 0/0 (the default eps 1e-8 is 0 there): 0, as float32 gives."""
+    """+-inf operands give NaN: +-sat. A zero vector in float16 gives 0/0 (the default eps
+    1e-8 is 0 there): 0, as float32 gives. A cosine that rounding puts past +-1 (1.001 in
+    float16) is the original's own finite value: acos and asin, which it would break, guard
+    their operands themselves."""
     (a, b), rest, kw = operands(args, kwargs, ("x1", "x2"))
-    out = fn(fence(finite(a)), fence(finite(b)), *rest, **kw)
-    return torch.clamp(finite(out), -1.0, 1.0)
+    return finite(fn(fence(finite(a)), fence(finite(b)), *rest, **kw))
 
 
 @memo

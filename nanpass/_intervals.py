@@ -490,14 +490,15 @@ def var_box(a: Box, dim=None, correction=1, keepdim=False, dtype: torch.dtype = 
     return Box(torch.zeros_like(hi), hi, nan)
 
 
-def softmax_box(a: Box, dim: int, log: bool = False) -> Box:
+def softmax_box(a: Box, dim: int, log: bool = False, masked_rows: bool = False) -> Box:
     """softmax / log_softmax along ``dim``. A row may be NaN if all of it may be -inf, if an
-    element may be +inf, or if an element may be NaN."""
+    element may be +inf, or if an element may be NaN. ``masked_rows``: inside nanpass's
+    softmax guard, which moves exactly those rows and entries before the op (only NaN is left)."""
     d = dim % max(a.lo.dim(), 1)
     row_nan = a.nan.amax(d, keepdim=True)
     all_ninf = (a.lo == -INF).all(d, keepdim=True)  # every element may be -inf at once
     pinf = (a.hi == INF).any(d, keepdim=True)
-    bad = (row_nan > 0) | all_ninf | pinf
+    bad = (row_nan > 0) if masked_rows else (row_nan > 0) | all_ninf | pinf
     nan = torch.maximum(a.nan, bad.to(F64).expand_as(a.lo))
     lse_hi = torch.logsumexp(a.hi, d, keepdim=True)
     lse_lo = torch.logsumexp(a.lo, d, keepdim=True)

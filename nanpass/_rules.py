@@ -75,23 +75,23 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(0.0, 2.0)), operands(tensor(0.5, -2.0, 3.0))),
     ),
     Rule(
-        "log", g.clamped("lo", "hi"),
+        "log", g.clamped("lo", "hi", open_at=0.0),
         reason="log of 0 is -inf, of a negative number NaN",
-        action="operand clamped to [tiny, max]",
+        action="an operand <= 0 read as tiny, +inf as max (a subnormal keeps its own finite log)",
         functions=("torch.log",), methods=("log",), inplace=True, constants=TINY_MAX,
         sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.0, 3.0))),
     ),
     Rule(
-        "log2", g.clamped("lo", "hi"),
+        "log2", g.clamped("lo", "hi", open_at=0.0),
         reason="log2 of 0 is -inf, of a negative number NaN",
-        action="operand clamped to [tiny, max]",
+        action="an operand <= 0 read as tiny, +inf as max (a subnormal keeps its own finite log2)",
         functions=("torch.log2",), methods=("log2",), inplace=True, constants=TINY_MAX,
         sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.0, 3.0))),
     ),
     Rule(
-        "log10", g.clamped("lo", "hi"),
+        "log10", g.clamped("lo", "hi", open_at=0.0),
         reason="log10 of 0 is -inf, of a negative number NaN",
-        action="operand clamped to [tiny, max]",
+        action="an operand <= 0 read as tiny, +inf as max (a subnormal keeps its own finite log10)",
         functions=("torch.log10",), methods=("log10",), inplace=True, constants=TINY_MAX,
         sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.0, 3.0))),
     ),
@@ -104,7 +104,7 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(-1.0, -2.0, 2.0)), operands(tensor(-0.5, 0.0, 3.0))),
     ),
     Rule(
-        "sqrt", g.clamped("lo", "hi"),
+        "sqrt", g.clamped("lo", "hi", singular=g.at_zero),
         reason="sqrt of a negative number is NaN; its gradient at 0 is inf",
         action="operand clamped to [0, max]; the infinite gradient at 0 becomes 0",
         functions=("torch.sqrt",), methods=("sqrt",), inplace=True,
@@ -112,9 +112,9 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(0.0, -1.0, 4.0)), operands(tensor(0.25, 1.0, 4.0))),
     ),
     Rule(
-        "rsqrt", g.clamped("lo", None),
+        "rsqrt", g.clamped("lo", None, open_at=0.0),
         reason="rsqrt of 0 is inf, of a negative number NaN",
-        action="operand clamped to at least tiny (rsqrt(+inf) = 0 is the original's)",
+        action="an operand <= 0 read as tiny (rsqrt(+inf) = 0 and a subnormal's finite rsqrt are the original's)",
         functions=("torch.rsqrt",), methods=("rsqrt",), inplace=True,
         constants={"lo": lambda b: b.tiny},
         sample=Sample(operands(tensor(0.0, -1.0, 4.0)), operands(tensor(0.25, 1.0, 4.0))),
@@ -124,7 +124,8 @@ RULES: tuple[Rule, ...] = (
         reason="fractional power of a negative base is NaN, a negative power of 0 inf, "
         "x**g with g < 1 has an infinite gradient at 0, and large powers overflow",
         action="base clamped into the exponent's finite domain (pushed away from 0 for negative "
-        "integer powers); a tensor exponent saturates the result; non-finite gradients become 0",
+        "integer powers), a result that would overflow +-sat; a negative power of 0 is 0 (as 1 / 0 "
+        "under div); a tensor exponent saturates the result; non-finite gradients become 0",
         functions=("torch.pow", "torch.float_power"),
         operators=("operator.pow",),
         inplace_operators=(("operator.ipow", "operator.pow"),),
@@ -156,18 +157,20 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(100000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
     ),
     Rule(
-        "softmax", g.finite_operand,
+        "softmax", g.masked_rows(1),
         reason="a row of all -inf gives NaN, so does +inf",
-        action="+-inf operands to +-sat: a fully masked row becomes uniform",
+        action="a fully masked (all -inf) row becomes uniform, +inf becomes sat; -inf entries of "
+        "any other row are kept",
         functions=("torch.softmax", "F.softmax", "torch.special.softmax"),
         methods=("softmax",), modules=("nn.Softmax", "nn.Softmax2d"),
         sample=Sample(operands(_ROWS, dim=-1), operands(_GOOD_ROWS, dim=-1),
                ctor={"nn.Softmax": (-1,), "nn.Softmax2d": ()}),
     ),
     Rule(
-        "softmin", g.finite_operand,
-        reason="a row of all +inf gives NaN",
-        action="+-inf operands to +-sat: a fully masked row becomes uniform",
+        "softmin", g.masked_rows(-1),
+        reason="a row of all +inf gives NaN, so does -inf",
+        action="a fully masked (all +inf) row becomes uniform, -inf becomes -sat; +inf entries of "
+        "any other row are kept",
         functions=("F.softmin",), modules=("nn.Softmin",),
         sample=Sample(operands(tensor(INF, INF, 1.0, 2.0, shape=(2, 2)), dim=-1), operands(_FINITE_ROWS, dim=-1),
                ctor={"nn.Softmin": (-1,)}),
@@ -188,14 +191,15 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(-INF, 1.0)), operands(tensor(-3.0, 0.0, 2.0)), ctor={"nn.LogSigmoid": ()}),
     ),
     Rule(
-        "logsumexp", g.finite_in_out,
+        "logsumexp", g.logsumexp,
         reason="all -inf gives -inf with a NaN gradient; large inputs overflow",
-        action="+-inf operands to +-sat and the result saturated",
+        action="an all -inf slice read as -sat, +inf as sat, the result saturated; -inf entries "
+        "next to a finite one are kept",
         functions=("torch.logsumexp", "torch.special.logsumexp"), methods=("logsumexp",),
         sample=Sample(operands(_ROWS, dim=-1), operands(_GOOD_ROWS, dim=-1)),
     ),
     Rule(
-        "acos", g.clamped("lo", "hi"),
+        "acos", g.clamped("lo", "hi", singular=g.at_unit(torch.acos)),
         reason="acos outside [-1, 1] is NaN; its gradient at +-1 is infinite",
         action="operand clamped to [-1, 1]; the infinite gradient at +-1 becomes 0",
         functions=("torch.acos", "torch.arccos"), methods=("acos", "arccos"), inplace=True,
@@ -203,7 +207,7 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(1.0, 2.0, 0.5)), operands(tensor(-0.5, 0.0, 0.75))),
     ),
     Rule(
-        "asin", g.clamped("lo", "hi"),
+        "asin", g.clamped("lo", "hi", singular=g.at_unit(torch.asin)),
         reason="asin outside [-1, 1] is NaN; its gradient at +-1 is infinite",
         action="operand clamped to [-1, 1]; the infinite gradient at +-1 becomes 0",
         functions=("torch.asin", "torch.arcsin"), methods=("asin", "arcsin"), inplace=True,
@@ -221,7 +225,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "logit", g.logit,
         reason="logit of 0 or 1 is infinite (and 1 - 1e-8 == 1 in float32)",
-        action="operand clamped to [tiny, next float below 1] (or the user's eps, if tighter)",
+        action="an operand <= 0 read as tiny, >= 1 as the next float below 1 (or the user's eps, if tighter)",
         functions=("torch.logit", "torch.special.logit"), methods=("logit",), inplace=True,
         constants={"lo": lambda b: b.tiny, "hi": lambda b: b.below_one},
         sample=Sample(operands(tensor(0.0, 1.0, 0.5)), operands(tensor(0.25, 0.5, 0.75))),
@@ -243,7 +247,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "xlogy", g.xlogy, stable=True,
         reason="xlogy(x, 0) is -inf for x != 0",
-        action="second operand clamped to [tiny, max]; the result saturated",
+        action="where the first operand is not 0, a second operand <= 0 read as tiny and +inf as max; "
+        "the result saturated",
         functions=("torch.xlogy", "torch.special.xlogy"), methods=("xlogy",), inplace=True,
         constants=TINY_MAX,
         sample=Sample(operands(tensor(1.0, 0.0), tensor(0.0, 0.0)), operands(tensor(1.0, 2.0), tensor(0.5, 3.0))),
@@ -277,8 +282,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cosine_similarity", g.cosine_similarity,
-        reason="rounding can put the cosine past +-1, where acos/asin give NaN",
-        action="result clamped to [-1, 1]; +-inf operands to +-sat",
+        reason="+-inf operands give NaN; in float16 a zero vector gives 0/0 (eps 1e-8 is 0 there)",
+        action="+-inf operands to +-sat, a NaN result to 0 (a cosine rounded past +-1 is the "
+        "original's: acos/asin guard their operands)",
         functions=("F.cosine_similarity", "torch.cosine_similarity"),
         modules=("nn.CosineSimilarity",),
         sample=Sample(operands(tensor(INF, 1.0, shape=(1, 2)), tensor(1.0, 1.0, grad=False, shape=(1, 2))),
@@ -395,7 +401,7 @@ RULES: tuple[Rule, ...] = (
                       dtypes=(torch.float32, torch.float64)),
     ),
     Rule(
-        "acosh", g.clamped("lo", "hi"),
+        "acosh", g.clamped("lo", "hi", singular=g.at_one),
         reason="acosh below 1 is NaN; its gradient at 1 is infinite",
         action="operand clamped to [1, max]; the infinite gradient at 1 becomes 0",
         functions=("torch.acosh", "torch.arccosh"), methods=("acosh", "arccosh"),
@@ -622,7 +628,7 @@ RULES: tuple[Rule, ...] = (
         "batch_norm", g.batch_norm,
         reason="eval mode: a negative running variance (a corrupted buffer) is sqrt(< 0) = NaN; "
         "float16: the gradient at zero variance overflows",
-        action="a negative running variance read as 0 (a copy); float16: the result saturated, "
+        action="a running variance below -eps read as 0 (a copy); float16: the result saturated, "
         "non-finite gradients become 0",
         functions=("F.batch_norm", "torch.batch_norm", "torch.native_batch_norm",
                    "torch._native_batch_norm_legit", "torch._batch_norm_with_update"),

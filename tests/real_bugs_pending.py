@@ -35,22 +35,6 @@ from tests.test_real_bugs import (
 
 # id, report (URL), op class, trigger, what fails
 PENDING: list[tuple[str, str, str, str, str]] = [
-    ("md_force_training_padded_atoms", "https://github.com/aiqm/torchani/pull/193",
-     "MD: autograd.grad(create_graph) of sqrt(sum(d**2))", "two zero-padded atoms at the origin: pair distance 0",
-     "[2] harden: the position and weight gradients are NaN: the double backward of the sqrt "
-     "composite (DivBackward0, the derivative of sqrt's backward grad / (2 sqrt(x)) at x = 0) "
-     "is not guarded; [3] backend raises RuntimeError: torch.compile with aot_autograd does "
-     "not currently support double backward (a torch limit, the plain model raises the same)"),
-    ("md_vector_feature_zero_norm", "https://github.com/torchmd/torchmd-net/issues/77",
-     "MD: norm of a zero vector feature, forces", "an atom beyond the cutoff keeps an all-zero vector feature",
-     "[2] passes (harden finite); [3] backend raises RuntimeError: torch.compile with "
-     "aot_autograd does not currently support double backward (a torch limit, not a guard)"),
-    ("gcn_isolated_node_inf_mask", "https://github.com/mlx-graphs/mlx-graphs/pull/18",
-     "graph: deg.pow(-0.5) with the user's inf mask", "an isolated node (zero degree): the user's mask fires",
-     "[2] and [3]: adj's gradient is non-finite: the pow guard returns a finite saturated "
-     "value for deg.pow(-0.5) at deg = 0, so the user's d[d == inf] = 0 mask no longer fires "
-     "and the saturated values meet in the backward (issue 19 item 2, 'user code that handles "
-     "inf itself')"),
     ("han_semantic_attention_empty", "https://github.com/pyg-team/pytorch_geometric/issues/4826",
      "graph: mean over an empty dimension", "HANConv group() over zero nodes",
      "[2] and [3]: q's gradient is NaN: torch.tanh(k_lin(out)).mean(1) over the empty node "
@@ -98,13 +82,6 @@ def _sinkhorn(m, a, b, M, reg, iters=5):
     return (P * M).sum()
 
 
-def _gcn_dense(m, x, adj):
-    # Kipf's normalize_adj on a dense (learned) adjacency: D^-1/2 A D^-1/2, inf -> 0
-    deg = adj.sum(1)
-    d_inv_sqrt = deg.pow(-0.5)
-    d_inv_sqrt[d_inv_sqrt == float("inf")] = 0
-    a_norm = d_inv_sqrt[:, None] * adj * d_inv_sqrt[None, :]
-    return a_norm @ m.lin(x)
 
 
 def _ot_M_apart(n=4):
@@ -112,29 +89,10 @@ def _ot_M_apart(n=4):
     return (x[:, None] - (x[None, :] + 1.2)) ** 2
 
 
-def _md_far_trigger():  # atom 3 far outside the cutoff of every other atom; atoms 0..2 close
-    return (leaf(torch.tensor([[1.0, 0.2, 0.0], [0.0, 1.1, 0.3], [0.2, -0.9, 0.4], [9.0, 9.0, 9.0]])),)
 
 
-def _md_force_training(m, pos):
-    # training on forces: -dE/dpos with create_graph, the energy on sqrt(sum(d**2)) of
-    # zero-padded atoms (the table's md_forces_zero_padded_atoms, differentiated once more)
-    d = pos[_PAIRS[0]] - pos[_PAIRS[1]]
-    r = torch.sqrt((d ** 2).sum(-1))
-    energy = (m.w * torch.exp(-r)).sum()
-    return -torch.autograd.grad(energy, pos, create_graph=True)[0]
 
 
-def _md_vector_norm(m, pos, cutoff=3.0):
-    # torchmd-net ET: vector features accumulated from neighbours inside the cutoff; an atom
-    # beyond it keeps vec = 0, and the output uses its norm
-    d = pos[_PAIRS[0]] - pos[_PAIRS[1]]
-    r = d.norm(dim=-1, keepdim=True)
-    inside = (r < cutoff).to(pos.dtype)
-    msg = m.w * d * inside
-    vec = torch.zeros_like(pos).index_add(0, _PAIRS[0], msg).index_add(0, _PAIRS[1], -msg)
-    energy = torch.linalg.vector_norm(vec, dim=-1).sum()
-    return -torch.autograd.grad(energy, pos, create_graph=True)[0]
 
 
 def _giou_loss(m, boxes1, boxes2, eps=1e-7):
@@ -183,14 +141,6 @@ def _scatter_logsumexp(m, src, index):
 
 
 PENDING_CASES: dict[str, Case] = {
-    "md_force_training_padded_atoms": Case(
-        lambda: Fn(_md_force_training, params={"w": torch.ones(6)}), _md_pos_trigger, _md_pos_safe),
-    "md_vector_feature_zero_norm": Case(
-        lambda: Fn(_md_vector_norm, params={"w": torch.ones(6, 1)}), _md_far_trigger, _md_pos_safe),
-    "gcn_isolated_node_inf_mask": Case(
-        lambda: Fn(_gcn_dense, mods={"lin": _lin(2, 2)}),
-        lambda: (_f(4, 2), leaf(torch.tensor([[0.0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]]))),
-        lambda: (_f(4, 2), leaf(torch.tensor([[0.0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 1, 0]])))),
     "han_semantic_attention_empty": Case(
         lambda: Fn(_han_group, params={"q": _f(1, 4, seed=2)}, mods={"k_lin": _lin(4, 4)}),
         lambda: (leaf(torch.zeros(2, 0, 4)),),

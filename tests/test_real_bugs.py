@@ -252,6 +252,13 @@ TABLE: list[tuple[str, str, str, str]] = [
      "VAE fp16: kl_divergence(Normal, Normal)", "scale ratio 300 in float16: var_ratio overflows"),
     ("gaussian_kl_logvar_exp", "https://github.com/lucidrains/DALLE2-pytorch/issues/138",
      "VAE: exp(logvar1 - logvar2)", "learned variances blow up: logvar1 - logvar2 = 100"),
+    # -- issue 19, item 2: a second derivative through a composite; the user's own inf handling
+    ("md_force_training_padded_atoms", "https://github.com/aiqm/torchani/pull/193",
+     "MD: autograd.grad(create_graph) of sqrt(sum(d**2))", "two zero-padded atoms at the origin: pair distance 0"),
+    ("md_vector_feature_zero_norm", "https://github.com/torchmd/torchmd-net/issues/77",
+     "MD: norm of a zero vector feature, forces", "an atom beyond the cutoff keeps an all-zero vector feature"),
+    ("gcn_isolated_node_inf_mask", "https://github.com/mlx-graphs/mlx-graphs/pull/18",
+     "graph: deg.pow(-0.5) with the user's inf mask", "an isolated node (zero degree): the user's mask fires"),
 ]
 
 
@@ -269,6 +276,10 @@ class Case:
     # the backend alone (docs/guards.md): check 3 asserts that, and that compiling the hardened
     # model (torch.compile(nanpass.harden(model), backend=...)) guards it
     graph_break: str | None = None
+    # the model differentiates inside its forward (forces with create_graph): torch.compile's
+    # aot_autograd refuses double backward for the plain model too; check 3 asserts exactly
+    # that refusal instead of a finite result (nanpass.harden is checked as usual)
+    double_backward: bool = False
 
 
 class Fn(nn.Module):
@@ -287,6 +298,10 @@ class Fn(nn.Module):
 
     def forward(self, *args):
         return self.fn(self, *args)
+
+
+class _Skip(Exception):
+    """check 3 does not apply (``Case.double_backward``)."""
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -745,6 +760,40 @@ def _md_pos_trigger():  # atoms 2 and 3 are padding: both at the origin
 
 def _md_pos_safe():
     return (leaf(torch.tensor([[1.0, 0.2, 0.0], [0.0, 1.1, 0.3], [0.2, -0.9, 0.4], [-1.0, 0.1, 0.6]])),)
+
+
+def _gcn_dense(m, x, adj):
+    # Kipf's normalize_adj on a dense (learned) adjacency: D^-1/2 A D^-1/2, inf -> 0
+    deg = adj.sum(1)
+    d_inv_sqrt = deg.pow(-0.5)
+    d_inv_sqrt[d_inv_sqrt == float("inf")] = 0
+    a_norm = d_inv_sqrt[:, None] * adj * d_inv_sqrt[None, :]
+    return a_norm @ m.lin(x)
+
+
+def _md_far_trigger():  # atom 3 far outside the cutoff of every other atom; atoms 0..2 close
+    return (leaf(torch.tensor([[1.0, 0.2, 0.0], [0.0, 1.1, 0.3], [0.2, -0.9, 0.4], [9.0, 9.0, 9.0]])),)
+
+
+def _md_force_training(m, pos):
+    # training on forces: -dE/dpos with create_graph, the energy on sqrt(sum(d**2)) of
+    # zero-padded atoms (the table's md_forces_zero_padded_atoms, differentiated once more)
+    d = pos[_PAIRS[0]] - pos[_PAIRS[1]]
+    r = torch.sqrt((d ** 2).sum(-1))
+    energy = (m.w * torch.exp(-r)).sum()
+    return -torch.autograd.grad(energy, pos, create_graph=True)[0]
+
+
+def _md_vector_norm(m, pos, cutoff=3.0):
+    # torchmd-net ET: vector features accumulated from neighbours inside the cutoff; an atom
+    # beyond it keeps vec = 0, and the output uses its norm
+    d = pos[_PAIRS[0]] - pos[_PAIRS[1]]
+    r = d.norm(dim=-1, keepdim=True)
+    inside = (r < cutoff).to(pos.dtype)
+    msg = m.w * d * inside
+    vec = torch.zeros_like(pos).index_add(0, _PAIRS[0], msg).index_add(0, _PAIRS[1], -msg)
+    energy = torch.linalg.vector_norm(vec, dim=-1).sum()
+    return -torch.autograd.grad(energy, pos, create_graph=True)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1623,6 +1672,16 @@ CASES: dict[str, Case] = {
         lambda: Fn(_dalle2_normal_kl, params=_one()),
         lambda: (leaf(_f(4)), leaf(torch.tensor([100.0, 0.1, 0.2, -0.3])), _f(4, seed=1), torch.zeros(4)),
         lambda: (leaf(_f(4)), leaf(torch.tensor([1.0, 0.1, 0.2, -0.3])), _f(4, seed=1), torch.zeros(4))),
+    "md_force_training_padded_atoms": Case(
+        lambda: Fn(_md_force_training, params={"w": torch.ones(6)}), _md_pos_trigger, _md_pos_safe,
+        double_backward=True),
+    "md_vector_feature_zero_norm": Case(
+        lambda: Fn(_md_vector_norm, params={"w": torch.ones(6, 1)}), _md_far_trigger, _md_pos_safe,
+        double_backward=True),
+    "gcn_isolated_node_inf_mask": Case(
+        lambda: Fn(_gcn_dense, mods={"lin": _lin(2, 2)}),
+        lambda: (_f(4, 2), leaf(torch.tensor([[0.0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]]))),
+        lambda: (_f(4, 2), leaf(torch.tensor([[0.0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 1, 0]])))),
 }
 
 
@@ -1655,7 +1714,21 @@ def test_real_bug(bug_id, url, op, trigger):
         problems.append(f"[2] harden raised {type(e).__name__}: {e}")
 
     # 3. the backend: finite outputs and gradients on the trigger
+    if case.double_backward:
+        refusals = []
+        for be in ("aot_eager", nanpass.backend(inner="aot_eager")):
+            torch._dynamo.reset()
+            try:
+                _run(torch.compile(model, backend=be), case.trigger(), case.grad)
+                refusals.append(None)
+            except RuntimeError as e:
+                refusals.append("double backward" in str(e))
+        if refusals != [True, True]:
+            problems.append(f"[3] expected torch's own double-backward refusal, plain and backend: {refusals}")
     try:
+        if case.double_backward:
+            raise _Skip
+
         be = nanpass.backend(inner="aot_eager")
         outs, grads = _run(torch.compile(model, backend=be), case.trigger(), case.grad)
         if case.graph_break is None and not _finite(outs + grads):
@@ -1668,6 +1741,8 @@ def test_real_bug(bug_id, url, op, trigger):
             outs, grads = _run(both, case.trigger(), case.grad)
             if not _finite(outs + grads):
                 problems.append(f"[3] compiled hardened model: {_describe(outs, grads)}")
+    except _Skip:
+        pass
     except Exception as e:  # noqa: BLE001
         problems.append(f"[3] backend raised {type(e).__name__}: {str(e)[:300]}")
 

@@ -12,6 +12,8 @@ over random operands for the op families.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -261,3 +263,58 @@ def _redrawn_copy(args, kwargs):
         return a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
 
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+# -- the extremal grid (issue 19, item 1) --------------------------------------------------
+
+def _grid(rule, dtype) -> list[float]:
+    """Every value where an op or its guard changes behaviour: +-0, +-tiny, subnormals, +-eps,
+    +-1, +-max, +-inf, and the rule's own thresholds with their float neighbours."""
+    fi = torch.finfo(dtype)
+    sub = float(torch.tensor(fi.tiny, dtype=dtype) / 4) if dtype != torch.bfloat16 else fi.tiny / 4
+    vals = [0.0, fi.tiny, sub, fi.smallest_normal / 2 ** (fi.bits - 6), fi.eps, 0.5, 1.0, 2.0,
+            float(int(2 * torch.log(torch.tensor(fi.max, dtype=torch.float64)))), fi.max, float("inf")]
+    if rule.constants:
+        for c in CONFIG.consts(rule.name)(dtype).values():
+            t = torch.tensor(abs(float(c)), dtype=dtype)
+            vals += [float(t), float(torch.nextafter(t, torch.tensor(0.0, dtype=dtype))),
+                     float(torch.nextafter(t, torch.tensor(float("inf"), dtype=dtype)))]
+    return sorted({v for x in vals for v in (x, -x)}, key=lambda v: (abs(v), v))
+
+
+def _on_grid(data, args, kwargs, rule, dtype):
+    grid = _grid(rule, dtype)
+
+    def one(a):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            vals = data.draw(st.lists(st.sampled_from(grid), min_size=a.numel(), max_size=a.numel()))
+            return torch.tensor(vals, dtype=torch.float64).to(dtype).reshape(a.shape).requires_grad_(a.requires_grad)
+        return a
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+GRID_EXAMPLES = int(os.environ.get("NANPASS_GRID_EXAMPLES", "25"))
+GRID_CASES = [pytest.param(r, d, id=f"{r.name}-{str(d)[6:]}")
+              for r in RULES if r.guarded and r.name not in NO_SAMPLE for d in r.sample.dtypes]
+
+
+@pytest.mark.parametrize("rule,dtype", GRID_CASES)
+@settings(max_examples=GRID_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_extremal_grid_keeps_the_originals_bits(rule, dtype, data):
+    """Wherever the original's values and gradients are finite, also at +-max, +-inf,
+    subnormals and the guard's own thresholds, the guard returns the same bits (x ** -0.5 at
+    +inf is 0, not sat). Every guarded rule, every dtype, eager; operands from the grid."""
+    guarded, original = _callables(rule, dtype, compiled=False)
+    args, kwargs = _on_grid(data, *rule.sample.good(dtype), rule, dtype)
+    try:
+        ref, _, ref_grads = _grads(original, *_redrawn_copy(args, kwargs))
+    except (RuntimeError, ValueError):
+        return  # the op refuses these operands (a target outside [0, 1], a singular solve)
+    if not _finite(ref + ref_grads):
+        return
+    outs, _, grads = _grads(guarded, *_redrawn_copy(args, kwargs))
+    for got, want in zip(outs + grads, ref + ref_grads, strict=True):
+        assert torch.equal(bits(got.detach()), bits(want.detach())), (
+            f"{rule.name} ({str(dtype)[6:]}) at {args} {kwargs}: guard {got} != original {want}")
