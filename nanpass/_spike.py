@@ -568,25 +568,44 @@ class SkipSampler:
     for replay (``guard.replay``), then the wrapped sampler's, leaving out every batch in
     ``guard.skip_batches`` (recorded in ``guard.events``). The batch identity the loop passes to
     ``guard.step(batch=...)`` is the batch's list of sample indices (have the dataset return its
-    index). With ``num_workers > 0`` the loader has fetched a few batches ahead: replayed batches
-    come after those, so the data is the same but not in the same order.
+    index). With ``num_workers > 0`` (or a framework that fetches ahead) the loader has fetched a
+    few batches ahead: replayed batches come after those, so the data is the same but not in the
+    same order.
+
+    A replay makes an epoch longer than ``len(sampler)``. A loop that ends the epoch by count
+    (Lightning, the HF Trainer) would never reach its last batches: they are recorded in
+    ``guard.events`` as "not reached" when the next epoch starts. ``sized=False`` gives the
+    sampler no length, so such a framework runs each epoch until the sampler is exhausted.
     """
 
-    def __init__(self, batch_sampler, guard):
+    def __init__(self, batch_sampler, guard, sized: bool = True):
         inner = getattr(guard, "guard", guard)  # a GuardedOptimizer: its SpikeGuard
         if not isinstance(inner, SpikeGuard):
             raise NanpassTypeError(f"nanpass: SkipSampler guard={guard!r} is not a nanpass.SpikeGuard "
                                    "(or a GuardedOptimizer built with spike=...); valid: the guard "
                                    "whose rewinds the loader must follow")
+        if not isinstance(sized, bool):
+            raise NanpassTypeError(f"nanpass: SkipSampler sized={sized!r} is not valid; use True or False")
         self.batch_sampler = batch_sampler
         self.guard = inner
+        self.sized = sized
+        self._open = None  # the wrapped sampler's iterator of the epoch in progress
 
     def __len__(self) -> int:
+        if not self.sized:
+            raise NanpassTypeError("nanpass: SkipSampler(sized=False) has no length: an epoch lasts "
+                                   "until the sampler is exhausted, replays included")
         return len(self.batch_sampler)
 
     def __iter__(self):
         g = self.guard
-        it = iter(self.batch_sampler)
+        if self._open is not None:  # the last epoch was ended before the sampler was exhausted
+            left = list(self._open)
+            for b in left:
+                g._event(b, "not reached", "the loop ended the epoch before this batch (an epoch "
+                         "of len(sampler) batches, made longer by a replay); SkipSampler(sized=False) "
+                         "runs the epoch to its end", None)
+        it = self._open = iter(self.batch_sampler)
         while True:
             if g.replay:
                 yield list(g.replay.pop(0))
@@ -594,6 +613,7 @@ class SkipSampler:
             try:
                 b = next(it)
             except StopIteration:
+                self._open = None
                 return
             ident = _identity(b)
             if ident in g._skip_set:

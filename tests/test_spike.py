@@ -454,3 +454,136 @@ def test_ddp_every_rank_rewinds_together_and_the_weights_agree(tmp_path, mode):
     for k, v in r0["state"].items():
         assert torch.equal(v, r1["state"][k]), k  # the ranks agree, bit for bit
         assert torch.equal(v, r0["clean"][k]), k  # and equal the run without batch 9
+
+
+class Applied:
+    """The batches in the final trajectory of a framework run: appended on a taken step, cut
+    back to the restored position on a rewind (frameworks fetch a batch ahead, so the replayed
+    batches come after the prefetched one: the order is the framework's, not the sampler's)."""
+
+    def __init__(self):
+        self.order: list[int] = []
+        self.rewinds = 0
+
+    def after_step(self, guarded, idx):
+        guard = guarded.guard
+        if guard.rewinds > self.rewinds:
+            self.rewinds = guard.rewinds
+            del self.order[guard.position:]
+        elif guarded.last_step_taken:
+            self.order.append(int(idx[0]) // B)
+
+
+def plain_reference(order: list[int]):
+    """A plain loop over ``order`` (batch numbers) with the same model, optimizer and schedule."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    opt, sched = parts(model)
+    ds = dataset()
+    for k in order:
+        _, x, y = ds[list(range(k * B, (k + 1) * B))]
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers")
+def test_lightning_through_guarded_optimizer_rewinds_and_replays():
+    L = pytest.importorskip("lightning.pytorch")
+    applied = Applied()
+
+    class Regression(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 1)
+
+        def training_step(self, batch, batch_idx):
+            idx, x, y = batch
+            self.guarded.record(batch=idx)
+            return ((self.lin(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return {"optimizer": self.guarded, "lr_scheduler": {"scheduler": self.sched, "interval": "step"}}
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            applied.after_step(self.guarded, batch[0])
+
+    torch.manual_seed(0)
+    module = Regression()
+    opt, sched = parts(module)  # built before fit: the loader's SkipSampler needs the guard
+    module.guarded = nanpass.GuardedOptimizer(opt, model=module, spike={"every": 5, "window": 8})
+    module.sched = module.guarded.gate(sched)
+    ds = dataset()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, max_epochs=1)
+    # sized=False: Lightning runs the epoch until the sampler is exhausted, replays included
+    trainer.fit(module, DataLoader(ds, batch_sampler=nanpass.SkipSampler(batches(ds), module.guarded,
+                                                                         sized=False)))
+    guard = module.guarded.guard
+    assert guard.rewinds == 1 and guard.skip_batches == [ids(SPIKE)]
+    assert SPIKE not in applied.order and sorted(applied.order) == [k for k in range(30) if k != SPIKE]
+    assert all(torch.equal(a, b) for a, b in zip(module.lin.parameters(), plain_reference(applied.order).parameters(),
+                                                  strict=True))
+
+
+@pytest.mark.slow
+def test_hf_trainer_through_guarded_optimizer_and_record_rewinds_and_replays(tmp_path):
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    applied = Applied()
+
+    class Regression(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 1)
+
+        def forward(self, idx, x, y):
+            return {"loss": ((self.lin(x) - y) ** 2).mean()}
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, ds):
+            self.ds = ds
+
+        def __len__(self):
+            return len(self.ds)
+
+        def __getitem__(self, i):
+            idx, x, y = self.ds[i]
+            return {"idx": idx, "x": x, "y": y}
+
+    class Guarded(transformers.Trainer):
+        def get_train_dataloader(self):
+            loader = DataLoader(self.train_dataset, collate_fn=transformers.default_data_collator,
+                                batch_sampler=nanpass.SkipSampler(batches(ds), guarded, sized=False))
+            return self.accelerator.prepare(loader)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            guarded.record(loss=loss, batch=inputs["idx"])  # the Trainer's step() has no closure
+            self.last_idx = inputs["idx"]
+            return loss
+
+    class Track(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            applied.after_step(guarded, trainer.last_idx)
+
+    torch.manual_seed(0)
+    model = Regression()
+    opt, sched = parts(model)
+    guarded = nanpass.GuardedOptimizer(opt, model=model, spike={"every": 5, "window": 8})
+    ds = dataset()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=33, max_grad_norm=0.0,
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+    trainer = Guarded(model=model, args=args, train_dataset=Rows(ds), optimizers=(guarded, guarded.gate(sched)),
+                      callbacks=[Track()])
+    trainer.train()
+    guard = guarded.guard
+    assert guard.rewinds == 1 and guard.skip_batches == [ids(SPIKE)]
+    assert sorted(applied.order) == [k for k in range(30) if k != SPIKE]  # 33 steps: 29 + 1 skipped + 3 replayed
+    assert all(torch.equal(a, b) for a, b in zip(model.lin.parameters(), plain_reference(applied.order).parameters(),
+                                                  strict=True))
