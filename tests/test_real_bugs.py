@@ -259,6 +259,8 @@ TABLE: list[tuple[str, str, str, str]] = [
      "MD: norm of a zero vector feature, forces", "an atom beyond the cutoff keeps an all-zero vector feature"),
     ("gcn_isolated_node_inf_mask", "https://github.com/mlx-graphs/mlx-graphs/pull/18",
      "graph: deg.pow(-0.5) with the user's inf mask", "an isolated node (zero degree): the user's mask fires"),
+    ("giou_fp16_area_overflow", "https://github.com/facebookresearch/fvcore/pull/114",
+     "detection fp16: GIoU areas", "float16 boxes 300 wide: the area overflows 65504"),
 ]
 
 
@@ -760,6 +762,25 @@ def _md_pos_trigger():  # atoms 2 and 3 are padding: both at the origin
 
 def _md_pos_safe():
     return (leaf(torch.tensor([[1.0, 0.2, 0.0], [0.0, 1.1, 0.3], [0.2, -0.9, 0.4], [-1.0, 0.1, 0.6]])),)
+
+
+def _giou_loss(m, boxes1, boxes2, eps=1e-7):
+    # fvcore giou_loss, run in float16 before #114
+    boxes1 = boxes1 * m.g
+    x1, y1, x2, y2 = boxes1.unbind(dim=-1)
+    x1g, y1g, x2g, y2g = boxes2.unbind(dim=-1)
+    xkis1, ykis1 = torch.max(x1, x1g), torch.max(y1, y1g)
+    xkis2, ykis2 = torch.min(x2, x2g), torch.min(y2, y2g)
+    intsctk = torch.zeros_like(x1)
+    mask = (ykis2 > ykis1) & (xkis2 > xkis1)
+    intsctk[mask] = (xkis2[mask] - xkis1[mask]) * (ykis2[mask] - ykis1[mask])
+    unionk = (x2 - x1) * (y2 - y1) + (x2g - x1g) * (y2g - y1g) - intsctk
+    iouk = intsctk / (unionk + eps)
+    xc1, yc1 = torch.min(x1, x1g), torch.min(y1, y1g)
+    xc2, yc2 = torch.max(x2, x2g), torch.max(y2, y2g)
+    area_c = (xc2 - xc1) * (yc2 - yc1)
+    miouk = iouk - ((area_c - unionk) / (area_c + eps))
+    return 1 - miouk
 
 
 def _gcn_dense(m, x, adj):
@@ -1682,6 +1703,11 @@ CASES: dict[str, Case] = {
         lambda: Fn(_gcn_dense, mods={"lin": _lin(2, 2)}),
         lambda: (_f(4, 2), leaf(torch.tensor([[0.0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]]))),
         lambda: (_f(4, 2), leaf(torch.tensor([[0.0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 1, 0]])))),
+    "giou_fp16_area_overflow": Case(
+        lambda: Fn(_giou_loss, params=_one(H)),
+        lambda: (leaf(torch.tensor([[0.0, 0.0, 300.0, 300.0]], dtype=H)), torch.tensor([[10.0, 10.0, 320.0, 310.0]], dtype=H)),
+        lambda: (leaf(torch.tensor([[0.0, 0.0, 30.0, 30.0]], dtype=H)), torch.tensor([[1.0, 1.0, 32.0, 31.0]], dtype=H)),
+        graph_break="aot_autograd cannot trace the boolean-mask assignment (aten.nonzero): the frame runs eagerly"),
 }
 
 
