@@ -205,7 +205,10 @@ def search(model: torch.nn.Module, *example_inputs, ranges=None, budget: float =
     original = model._nanpass_model if isinstance(model, Hardened) else model
     specs = parse_ranges(ranges, example_inputs)
     cert = certificate if certificate is not None else certify(original, *example_inputs, ranges=ranges)
-    targets = [v for v in cert.verdicts if v.verdict not in (PROVEN, GUARDED)]
+    # an op whose value is proven finite may still have an infinite derivative in the ranges
+    # (acos at 1, a norm at 0): certify does not prove gradients, so those are searched too
+    targets = [v for v in cert.verdicts if v.verdict not in (PROVEN, GUARDED)
+               or (v.verdict == PROVEN and v.grad == "unproven")]
     if not targets and cert.outputs_finite:
         return []
     boxes = [input_box(x, s) if s is not None else None for x, s in zip(example_inputs, specs, strict=True)]
