@@ -23,9 +23,14 @@ and compiled) and property-tested with hypothesis per op family (`tests/test_con
 
 1. **Finite.** For operands that are finite or +-inf, the value, the gradient and (eager) the
    second derivative are finite.
-2. **Identity on the safe domain.** Where the original op's value and gradient are finite and
-   the operands lie inside the guard's bounds, the value and the gradient are the same, bit for bit,
-   in eager mode.
+2. **The original's bits wherever it is finite.** Where the original op's value and gradient
+   are finite, the guard's are the same, bit for bit, in eager mode: also at +-max, +-inf,
+   subnormals, +-0 and the guard's own thresholds and their float neighbours
+   (`test_the_extremal_grid_keeps_the_originals_bits`, every rule and dtype, hypothesis over that
+   grid). So `x ** -0.5` at +inf is 0, `exp` keeps its own value up to its last finite operand
+   (88.7228 in float32), `log` of a subnormal is its own -103, a softmax row with a -inf entry
+   next to -max keeps its exact answer, and a cosine that rounding puts at 1.001 stays 1.001
+   (acos guards its own operand). A guard changes only what the original makes non-finite.
 
 **The model as a whole.** A guard that replaces an overflow (or an infinite operand) does not
 return +-max but +-sat = +-max / 16 (4094 in float16, 2.1e37 in float32; a power of two, so exact), and so do
@@ -58,7 +63,17 @@ is NaN exactly then (computed on the device, no sync, no Python state), and then
 passes the gradient as it came, so GradScaler and StepGuard still see it. A guard zeroes only its
 own op's singular derivative (`tests/test_rule_contract.py`, `tests/test_mixed_precision.py`). The op never sees an
 unsafe operand, so the double-where trap (`torch.where(d != 0, x / d, 0)` has a NaN gradient at
-d = 0, because 0 * inf = NaN) cannot happen.
+d = 0, because 0 * inf = NaN) cannot happen. Where the singular points are known (sqrt at 0, acos
+and asin at +-1, acosh at 1, `x ** p` at 0 for 0 < p < 1), the op runs on a safe operand there and
+the result is its exact value with derivative 0: no derivative of *any* order is infinite, so a
+loss on forces (`autograd.grad(energy, positions, create_graph=True)` of `sqrt(sum(d ** 2))` at
+zero-padded atoms) trains with finite parameter gradients, where a fence alone masks only the
+first-order inf and leaves 0 * inf in the second.
+
+A value the original makes infinite and users then handle themselves: `x ** p` (p < 0) at 0 is
+0, as `1 / 0` is under the div guard (TensorFlow's `divide_no_nan`), which is what the usual
+handling makes of it (`d = deg ** -0.5; d[d == inf] = 0` in GCN normalisation): the user's mask
+then has nothing left to fire on, and the products after it stay finite.
 
 Constants come from `torch.finfo` of the operand and are rounded into its dtype (a fixed `1e-8`
 is 0 in float16; `1 - 1e-8` is exactly 1.0 in float32). Per-op overrides (`constants=`) may
