@@ -291,8 +291,11 @@ def main():
     ap.add_argument("--json", default="benchmarks/results/latest.json")
     ap.add_argument("--plots", default="benchmarks/results", metavar="DIR",
                     help="where the figures go (default benchmarks/results; docs/img for the docs)")
+    ap.add_argument("--spike-only", action="store_true", help="only the SpikeGuard rows")
     args = ap.parse_args()
     repeats = 5 if args.quick else 15
+    if args.spike_only:
+        return print_spike(bench_spike(repeats))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {"machine": f"{platform.machine()} {platform.processor() or ''} "
                           f"{torch.get_num_threads()} threads, torch {torch.__version__}".strip()}
@@ -338,6 +341,8 @@ def main():
         ratio = f"{x['ratio']:.2f}" if "ratio" in x else "n/a"
         print(f"cold compile {name}: inductor {x['inductor']} s, nanpass {x['nanpass']} s, ratio {ratio}")
     print("peak memory: needs a CUDA device (torch.cuda.max_memory_allocated); not measured on CPU")
+    results["spike_guard"] = bench_spike(repeats)
+    print_spike(results["spike_guard"])
     for path in plots(results, args.plots):
         print(f"wrote {path}")
     import os
@@ -345,6 +350,70 @@ def main():
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
+
+
+def bench_spike(repeats: int, every: int = 100) -> dict:
+    """nanpass.SpikeGuard on the GPT-2 train step: the whole step with no spike against a plain
+    StepGuard (interleaved); the guards alone on the same gradients (SGD with lr=0, so the
+    optimizer costs next to nothing: the difference is the spike check, stable even on a busy
+    machine); one snapshot's time amortised over ``every`` steps; the bytes one kept snapshot
+    holds (parameters, buffers, AdamW state)."""
+    import copy
+
+    model, batch = MODELS["gpt2-12L"]()
+    other = copy.deepcopy(model)
+    opt_a, opt_b = (torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (model, other))
+    plain = nanpass.StepGuard(opt_a, model=model)
+    spike = nanpass.SpikeGuard(opt_b, other, every=10**9, keep=2)  # snapshots timed apart below
+
+    def step(m, opt, guard, spiky):
+        def fn():
+            opt.zero_grad(set_to_none=True)
+            loss = m(**batch).loss
+            loss.backward()
+            guard.step(loss=loss) if spiky else guard.step()
+        return fn
+
+    t = interleaved({"stepguard": step(model, opt_a, plain, False),
+                     "spikeguard": step(other, opt_b, spike, True)}, repeats)
+    snaps = []
+    for _ in range(5):
+        spike._slots[-1].position = -1  # force a snapshot now (the ring's buffers are reused)
+        t0 = time.perf_counter()
+        spike._snapshot()
+        snaps.append(time.perf_counter() - t0)
+    params = sum(p.numel() * p.element_size() for p in other.parameters())
+    state = sum(v.numel() * v.element_size() for s in opt_b.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    # the guards alone: same gradients, an optimizer that does next to nothing
+    sgd = torch.optim.SGD(other.parameters(), lr=0.0)
+    alone_plain = nanpass.StepGuard(sgd, model=other)
+    alone_spike = nanpass.SpikeGuard(sgd, other, every=10**9, grad_factor=10.0)
+    loss = torch.tensor(5.0)
+    alone = interleaved({"stepguard": alone_plain.step,
+                         "spikeguard": lambda: alone_spike.step(loss=loss)}, 4 * repeats)
+    snap = statistics.median(snaps)
+    increment = alone["spikeguard"] - alone["stepguard"]
+    return {"stepguard_ms": t["stepguard"] * 1e3, "spikeguard_ms": t["spikeguard"] * 1e3,
+            "no_spike_ratio": t["spikeguard"] / t["stepguard"],
+            "guard_alone_ms": {k: v * 1e3 for k, v in alone.items()}, "increment_ms": increment * 1e3,
+            "no_spike_ratio_from_increment": 1 + increment / t["stepguard"],
+            "snapshot_ms": snap * 1e3, "every": every,
+            "amortised_snapshot_fraction": snap / (every * t["stepguard"]),
+            "snapshot_bytes": spike.snapshot_bytes, "param_bytes": params, "optimizer_state_bytes": state}
+
+
+def print_spike(x: dict) -> None:
+    print(f"{'gpt2-12L':26} {'SpikeGuard':16} {x['stepguard_ms']:10.2f} {x['spikeguard_ms']:11.2f} "
+          f"{x['no_spike_ratio']:7.3f}  train step, no spike, vs a plain StepGuard")
+    a = x["guard_alone_ms"]
+    print(f"{'gpt2-12L':26} {'guard alone':16} {a['stepguard']:10.2f} {a['spikeguard']:11.2f} "
+          f"{x['no_spike_ratio_from_increment']:7.4f}  +{x['increment_ms']:.2f} ms a step (SGD lr=0, "
+          "grad_factor on): the ratio this adds to the train step")
+    print(f"{'gpt2-12L':26} {'snapshot':16} {x['snapshot_ms']:10.2f} {'':11} "
+          f"{x['amortised_snapshot_fraction']:7.4f}  of a step, one every {x['every']} steps; "
+          f"{x['snapshot_bytes'] / 2**20:.1f} MiB per kept snapshot (params {x['param_bytes'] / 2**20:.1f} "
+          f"MiB + AdamW state {x['optimizer_state_bytes'] / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":

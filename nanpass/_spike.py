@@ -224,6 +224,13 @@ class SpikeGuard:
         if not isinstance(rerun, bool):
             raise NanpassTypeError(f"nanpass: SpikeGuard rerun={rerun!r} is not valid; use True or False")
         self.skip, self.rerun = skip, rerun
+        if snapshot_device is not None:
+            try:
+                torch.device(snapshot_device)
+            except (RuntimeError, TypeError):
+                raise ConfigError(f"nanpass: SpikeGuard snapshot_device={snapshot_device!r} is not valid; "
+                                  "valid: 'cpu' (pinned when the model is on CUDA), a torch.device, or "
+                                  "None for the model's own device") from None
         self.snapshot_device = snapshot_device
         self.log = None if log is None else os.fspath(log)
         self.step_guard = StepGuard(optimizer, model=model, **step_options)

@@ -276,6 +276,7 @@ def test_guarded_optimizer_with_spike_rewinds_through_the_closure():
 @pytest.mark.parametrize("option, value", [
     ("factor", 1), ("factor", 0.5), ("factor", float("inf")), ("every", 0), ("keep", 0),
     ("window", 1), ("warmup", 0), ("warmup", 65), ("grad_factor", 1.0), ("skip", "both"),
+    ("snapshot_device", "gpu0"),
 ])
 def test_bad_options_are_config_errors_naming_the_value(option, value):
     model = mlp()
