@@ -93,6 +93,21 @@ def _set_rng_state(state: dict) -> None:
         sys.modules["numpy"].random.set_state(state["numpy"])
 
 
+def _scaler_state(scaler) -> dict | None:
+    """The GradScaler's scale and growth tracker as device tensors (its ``state_dict()`` would
+    read the scale back: a host sync at every snapshot)."""
+    if scaler is None or not scaler.is_enabled() or scaler._scale is None:
+        return None
+    return {"scale": scaler._scale.clone(), "growth_tracker": scaler._growth_tracker.clone()}
+
+
+def _set_scaler_state(scaler, state: dict) -> None:
+    if scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(state["scale"].device)
+    scaler._scale.copy_(state["scale"])
+    scaler._growth_tracker.copy_(state["growth_tracker"])
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -444,7 +459,7 @@ class SpikeGuard:
 
     def _small_state(self) -> dict:
         return {"schedulers": [copy.deepcopy(s.state_dict()) for s in self.schedulers],
-                "scaler": copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None,
+                "scaler": _scaler_state(self.scaler),
                 "rng": _rng_state(), "n": self._n, "gn": self._gn,
                 "hist": None if self._hist is None else self._hist.clone(),
                 "ghist": None if self._ghist is None else self._ghist.clone()}
@@ -501,8 +516,11 @@ class SpikeGuard:
                         g["lr"].fill_(lr)
                     else:
                         g["lr"] = lr
-        if self.scaler is not None and rest["scaler"]:
-            self.scaler.load_state_dict(copy.deepcopy(rest["scaler"]))
+        if self.scaler is not None:
+            # this step's unscale_ is abandoned with it: the next step unscales afresh
+            self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            if rest["scaler"] is not None:
+                _set_scaler_state(self.scaler, rest["scaler"])
         _set_rng_state(rest["rng"])
         self._n, self._gn = rest["n"], rest["gn"]
         if rest["hist"] is not None:

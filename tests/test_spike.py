@@ -148,6 +148,43 @@ def test_a_second_spike_skips_the_window_and_a_third_goes_further_back_until_non
         run_guarded(ds=TensorDataset(torch.arange(N), x, y))
 
 
+@pytest.mark.parametrize("rerun", [False, True])
+def test_a_gradscaler_is_snapshotted_and_rewound_with_the_weights(rerun):
+    """The scale grows every 2 steps here, so a rewind that forgot it would scale differently
+    from the run without the batch (and the re-run must unscale its own gradients)."""
+
+    def run(ds, guarded, drop=()):
+        model = mlp()
+        opt, sched = parts(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        guard = nanpass.SpikeGuard(opt, model, every=5, window=8, rerun=rerun, scheduler=sched,
+                                   scaler=scaler) if guarded else None
+        order = [b for b in batches(ds) if b[0] // B not in drop]
+        loader = DataLoader(ds, batch_sampler=nanpass.SkipSampler(order, guard) if guarded else order)
+        torch.manual_seed(1)
+        for idx, x, y in loader:
+            def forward_backward(x=x, y=y):
+                loss = ((model(x) - y) ** 2).mean()
+                scaler.scale(loss).backward()
+                return loss
+
+            opt.zero_grad()
+            loss = forward_backward()
+            if guarded:
+                guard.step(loss=loss, batch=idx, closure=forward_backward if rerun else None)
+            else:
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+        return model, guard, scaler
+
+    model, guard, scaler = run(dataset(), True)
+    assert guard.rewinds == 1 and guard.skip_batches == [ids(SPIKE)]
+    clean, _, clean_scaler = run(dataset(spike=None), False, drop=(SPIKE,))
+    assert scaler.get_scale() == clean_scaler.get_scale()
+    assert same(model, clean)
+
+
 # ---------------------------------------------------------------- classify
 
 
