@@ -122,7 +122,6 @@ class _Slot:
         self.event = None
         self.position = -1
         self.rest: dict = {}  # schedulers, scaler, rng, statistics: small Python values
-        self.restores = 0
 
     def fill(self, tree, device) -> None:
         leaves, spec = tree_flatten(tree)
@@ -262,6 +261,7 @@ class SpikeGuard:
         self.rewinds = 0
         self._calls = 0
         self._slots: list[_Slot] = []  # oldest first
+        self._restores: dict[int, int] = {}  # snapshot position -> rewinds to it
         self._trail: dict[int, object] = {}  # position -> the batch applied to leave it
         self._hist: Tensor | None = None  # recent losses (device ring buffer)
         self._ghist: Tensor | None = None  # recent gradient norms
@@ -469,11 +469,13 @@ class SpikeGuard:
             return  # already kept (a rewind landed here)
         slot = self._slots.pop(0) if len(self._slots) >= self.keep else _Slot()
         slot.fill(self._state_tree(), self.snapshot_device)
-        slot.position, slot.rest, slot.restores = self.position, self._small_state(), 0
+        slot.position, slot.rest = self.position, self._small_state()
         self._slots.append(slot)
         oldest = self._slots[0].position
         for p in [p for p in self._trail if p < oldest]:
             del self._trail[p]
+        for p in [p for p in self._restores if p < oldest]:
+            del self._restores[p]  # a snapshot re-taken at a position keeps its rewind count
 
     def snapshot_state_dict(self, index: int = -1) -> dict:
         """A kept snapshot (newest by default) as a checkpoint: ``"model"`` and ``"optim"`` in the
@@ -495,7 +497,7 @@ class SpikeGuard:
         slot.position = int(state["position"])
         slot.rest = {k: state[k] for k in ("schedulers", "scaler", "rng", "n", "gn", "hist", "ghist")}
         self._restore(slot)
-        self._slots, self._trail, self.replay = [slot], {}, []
+        self._slots, self._trail, self.replay, self._restores = [slot], {}, [], {}
 
     def _restore(self, slot: _Slot) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -531,17 +533,22 @@ class SpikeGuard:
         self._zero_grad()
 
     def _rewind(self, batch, reason: str, classification) -> None:
+        escalated = False
         while True:
             if not self._slots:
                 raise SpikeError(f"nanpass: {reason}, and spikes came back after rewinding to every "
                                  f"kept snapshot (keep={self.keep}); the loss level itself has "
                                  "moved: raise factor, or lower the learning rate")
             slot = self._slots[-1]
-            if slot.restores < 2:
+            if self._restores.get(slot.position, 0) < 2:
                 break
-            self._slots.pop()  # third spike on the same snapshot: go further back
-        mode = self.skip if slot.restores == 0 else "window"
-        slot.restores += 1
+            self._slots.pop()  # a third spike on the same snapshot: go further back
+            escalated = True
+        n = self._restores.get(slot.position, 0)
+        self._restores[slot.position] = n + 1
+        # the first rewind to a snapshot honours skip=; a spike that comes back (or a rewind past
+        # a snapshot that did not help) suspects every batch since: skip the window
+        mode = self.skip if n == 0 and not escalated else "window"
         frm = self.position
         window = [self._trail.pop(p) for p in sorted(self._trail) if p >= slot.position]
         self._restore(slot)
@@ -557,7 +564,7 @@ class SpikeGuard:
             self.replay[:0] = [_identity(b) for b in window if b is not None]
         else:
             why = (f"applied between the snapshot at position {slot.position} and the spike at "
-                   f"{frm}" + (" (a second spike since that snapshot)" if self.skip == "batch" else ""))
+                   f"{frm}" + (" (the spikes came back after a rewind)" if self.skip == "batch" else ""))
             for b in window:
                 self._quarantine(b, why, None)
         unknown = sum(b is None for b in window)
