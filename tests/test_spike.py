@@ -393,7 +393,7 @@ def gpt2_run(spike: int | None, guard_options: dict | None, drop=(), steps: int 
         opt.zero_grad()
         loss = model(input_ids=ids_, labels=ids_).loss * w.mean()
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if guard is None:
             opt.step()
             sched.step()
