@@ -8,7 +8,12 @@ settings.register_profile(
     "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", max_examples=200, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# the README's fast tier: fewer examples per property; .ci/run runs the property tests again
+# with the "ci" profile's 40 (HYPOTHESIS_PROFILE=ci)
+settings.register_profile(
+    "fast", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 

@@ -31,6 +31,7 @@ from tests.test_real_bugs import (
     _state_A,
     leaf,
     test_real_bug,
+    test_real_bug_backend,
 )
 
 # id, report (URL), op class, trigger, what fails
@@ -147,12 +148,15 @@ def run(bug_id: str) -> str:
     assertion message."""
     row = next(r for r in PENDING if r[0] == bug_id)
     CASES[bug_id] = PENDING_CASES[bug_id]
+    found = []
     try:
-        torch._dynamo.reset()
-        test_real_bug(*row[:4])
-        return ""
-    except AssertionError as e:
-        return str(e)
+        for check in (test_real_bug, test_real_bug_backend):
+            torch._dynamo.reset()
+            try:
+                check(*row[:4])
+            except AssertionError as e:
+                found.append(str(e))
+        return "\n".join(found)
     finally:
         del CASES[bug_id]
 

@@ -39,6 +39,7 @@ def _inputs(bad: bool, n: int = 3):
     return x, mask
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess)
 def test_entry_point_without_import():
     code = textwrap.dedent(
         """

@@ -88,7 +88,7 @@ def _same(got, want, exact=True):
             torch.testing.assert_close(a, b)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(rule=st.sampled_from(INPLACE_RULES), write=st.sampled_from(sorted(INPLACE)))
 def test_inplace_writes_on_a_guards_result_train_as_in_the_plain_model(rule, write):
     """Hypothesis draws the rule and the in-place write: wherever the plain model trains (an op

@@ -87,12 +87,24 @@ def _probe(model, args, second_order: bool):
 # torch.compile(nanpass.harden(model)) of these raises (see test_every_spelling_is_guarded)
 COMPILED_HARDEN_BUG = {"Tensor.corrcoef", "torch.Tensor.corrcoef"}
 
-# torch.compile(nanpass.harden(model)): the mode traced by dynamo (a compile per spelling: slow tier)
-COMPILED_HARDEN = pytest.param("compiled-harden", marks=pytest.mark.slow)
+def _captures():
+    """Every spelling under harden (fast tier); under the backend (a compile each) the fast tier
+    takes each rule's first spelling of each kind (function, method, in-place, operator,
+    module), the slow tier the rest; compiled harden is the slow tier's."""
+    seen = set()
+    for case in _cases():
+        rule, sp = case.values
+        kind = (rule.name, sp.kind, sp.inplace)
+        fast_backend = kind not in seen
+        seen.add(kind)
+        yield pytest.param(rule, sp, "harden", id=f"{case.id}-harden")
+        yield pytest.param(rule, sp, "backend", id=f"{case.id}-backend",
+                           marks=[] if fast_backend else [pytest.mark.slow])
+        yield pytest.param(rule, sp, "compiled-harden", id=f"{case.id}-compiled-harden",
+                           marks=[pytest.mark.slow])
 
 
-@pytest.mark.parametrize("capture", ["harden", "backend", COMPILED_HARDEN])
-@pytest.mark.parametrize("rule,sp", list(_cases()))
+@pytest.mark.parametrize("rule,sp,capture", list(_captures()))
 def test_every_spelling_is_guarded(rule, sp, capture):
     args, kwargs = _inputs(rule, sp)
     keep_kwargs = sp.kind != "module" or rule.name == "multi_head_attention"
