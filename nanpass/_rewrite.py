@@ -20,7 +20,7 @@ from ._check import Site, check_input, checked, nonfinite_flag, tap
 from ._config import Config
 from ._constants import memo
 from ._errors import RewriteError
-from ._guards import COUNTER, fenced
+from ._guards import COUNTER, fenced, logits_loss
 from ._rules import BY_NAME, Rule, Spelling, match
 from ._source import input_name, module_path, user_frame
 from ._stats import Counter
@@ -233,7 +233,16 @@ def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
         record(node, node.name, rule.name, sp.name, "checked",
                "one fused NaN/Inf check of the graph's outputs and gradients; an eager re-run "
                "names the op when it fires", rule.reason)
-        if torch.is_grad_enabled():
+        # taps cost a reduction each in backward: not where the op cannot make a gradient
+        # non-finite (a float32 matmul, an integer power: the rule's own dtype and static tests)
+        lawful = rule.only_dtypes and _operand_dtype(node) not in (None, *rule.only_dtypes)
+        lawful = lawful or (sp.kind != "module" and rule.safe_if is not None
+                            and rule.safe_if(node.args, node.kwargs) is not None)
+        # a loss (cross_entropy, nll_loss) whose value is finite has a finite gradient, and its
+        # value is the graph's output, which the forward flag reads; its logits are the step's
+        # largest tensor: a tap there would be a pass over them
+        lawful = lawful or rule.guard is logits_loss
+        if torch.is_grad_enabled() and not lawful:
             probe = _tap_operands(graph, node, sp, probe)
     if probe is not None:
         gm.meta["nanpass_probe"] = True
