@@ -1107,12 +1107,14 @@ def _sdpa(bx, a, k, o):
 
 
 def x_exp_x(t: Box) -> Box:
-    """t * exp(t): decreasing to -1/e at t = -1, increasing after; 0 at t = -inf (exp
-    underflows to 0 first, so the kernel's product is -0.0 there, never -inf * 0)."""
+    """t * exp(t): decreasing to -1/e at t = -1, increasing after; -0.0 for a very negative
+    finite t (exp underflows first), but NaN at t = -inf itself (-inf * 0: the attack test
+    found (-1e30) ** 3 = -inf in float32 feeding it)."""
     def f(v):
         return torch.where(v == -INF, torch.zeros_like(v), v * torch.exp(v))
     r = with_min(t, f, -1.0, -math.exp(-1.0))
-    return Box(r.lo, r.hi, torch.maximum(t.nan, (t.hi == INF).to(F64)))
+    nan = torch.maximum(t.nan, ((t.hi == INF) | (t.lo == -INF)).to(F64))
+    return Box(r.lo, r.hi, nan)
 
 
 def _mag(b: Box) -> Tensor:
@@ -1141,6 +1143,11 @@ def _vector_norm(bx, a, k, o):
         return None
     n = max(_count(x.lo, dims), 1)
     nan = _red(x.nan, dims, keep, torch.amax) if x.lo.numel() else torch.zeros_like(lo)
+    if p not in (INF, -INF):
+        # the kernel sums |x|^p unscaled (float32 norm of 1e30 is inf though the norm fits):
+        # where that sum may pass the dtype's max, so may the result (the attack test's find)
+        powered = _red(hi_m.pow(p), dims, keep, lambda t, dim, keepdim: t.sum(dim, keepdim=keepdim))
+        hi = torch.where(powered > torch.finfo(o.dtype).max, INF, hi)
     # the kernel sums |x|^p in the dtype: each term and the sum may overflow (||x|| near max)
     return widen(Box(lo, hi, nan), o.dtype, k=4 * n + 4, keep_sign=True)
 
