@@ -59,12 +59,14 @@ def results():
     return {r.id: r for r in census.census(ops, DTYPES, samples=3)}
 
 
+@pytest.mark.slow  # the census of the subset: 15 s of probes
 def test_subset_probes_every_op(results):
     assert set(SUBSET) <= set(results), set(SUBSET) - set(results)
     for r in results.values():
         assert sum(r.probed.values()) > 0, f"{r.id} was not probed: {r.skipped or r.first_error}"
 
 
+@pytest.mark.slow  # the census of the subset: 15 s of probes
 def test_no_new_unguarded_op(results):
     new = {
         r.id: census._best_example(r, DTYPES)
@@ -78,12 +80,14 @@ def test_no_new_unguarded_op(results):
     )
 
 
+@pytest.mark.slow  # the census of the subset: 15 s of probes
 def test_subset_statuses(results):
     """The subset keeps covering each status the census gives today."""
     statuses = {r.status for r in results.values()}
     assert {"guarded", "accepted", "finite"} <= statuses, statuses
 
 
+@pytest.mark.slow  # the census of the subset: 15 s of probes
 def test_an_op_without_a_rule_is_reported_unguarded(results, monkeypatch):
     """The teeth of test_no_new_unguarded_op: take the rules away and the same probes
     classify as UNGUARDED (nothing in the census is unguarded today)."""
@@ -94,6 +98,7 @@ def test_an_op_without_a_rule_is_reported_unguarded(results, monkeypatch):
         assert r.status == "UNGUARDED", (name, r.status)
 
 
+@pytest.mark.slow  # the census of the subset: 15 s of probes
 def test_guards_hold_on_the_census_probes(results):
     """Re-run through nanpass.harden, a guarded op is finite on ordinary and large operands
     (what stays non-finite only from huge operands falls under the overflow policy)."""

@@ -218,7 +218,8 @@ def _redrawn(data, args, kwargs, dtype):
 
 # eager in float32 and float16 (fast tier); compiled (aot_eager, one compile per rule, then
 # every example reuses it) in float32 (slow tier)
-RANDOM_CASES = [pytest.param(r, d, False, id=f"{r.name}-{str(d)[6:]}-eager")
+RANDOM_CASES = [pytest.param(r, d, False, id=f"{r.name}-{str(d)[6:]}-eager",
+                             marks=[pytest.mark.slow] if d == torch.float16 else [])
                 for r in RULES if r.guarded and r.name not in NO_SAMPLE
                 for d in r.sample.dtypes if d in (torch.float32, torch.float16)] + [
                 pytest.param(r, torch.float32, True, marks=pytest.mark.slow, id=f"{r.name}-float32-compiled")
