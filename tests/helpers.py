@@ -39,3 +39,26 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """The bit pattern, so -0.0 and 0.0 (and every rounding) are told apart."""
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
     return t.detach().contiguous().view(ints[t.element_size()])
+
+
+def run_two_ranks(worker, out_dir, mode: str, timeout: float = 240) -> None:
+    """Spawn ``worker(rank, 2, port, out_dir, mode)`` on two processes (gloo on a free local
+    port) and assert both finished cleanly: a hung rank is a deadlock."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, 2, port, str(out_dir), mode)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung: deadlock"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

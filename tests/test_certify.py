@@ -60,12 +60,18 @@ BOUNDS = [-1e30, -1e4, -100.0, -10.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 10.0
 
 
 class Program(nn.Module):
-    def __init__(self, steps, n_inputs):
+    """vals[k] = op(vals[i], vals[j]) over ``unary``/``binary``; every value is kept
+    (``self.vals``) for the attack test (tests/test_certify_attack.py)."""
+
+    unary, binary = UNARY, BINARY
+
+    def __init__(self, steps, n_inputs=1):
         super().__init__()
         self.steps = steps
         self.n_inputs = n_inputs
         gen = torch.Generator().manual_seed(len(steps))
         self.w = nn.Parameter(torch.randn(4, 4, generator=gen) * 0.5)
+        self.vals: list = []
 
     def forward(self, *xs):
         vals = list(xs)
@@ -75,13 +81,14 @@ class Program(nn.Module):
                 a = a.expand(3, 4) if a.shape[-1] == 1 else a.sum(-1, keepdim=True).expand(3, 4)
             if op == "linear":
                 vals.append(F.linear(a, self.w))
-            elif op in UNARY:
-                vals.append(UNARY[op](a))
+            elif op in self.unary:
+                vals.append(self.unary[op](a))
             else:
                 b = vals[j % len(vals)]
                 if b.shape != a.shape:
                     b = b.expand_as(a) if b.shape[-1] == 1 else b.sum(-1, keepdim=True).expand_as(a)
-                vals.append(BINARY[op](a, b))
+                vals.append(self.binary[op](a, b))
+        self.vals = vals
         return vals[-1]
 
 

@@ -19,8 +19,6 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +26,7 @@ import nanpass
 from nanpass import _intervals as iv
 from nanpass._certify import Recorder, analyse, parse_ranges
 from tests.test_certify import BINARY, UNARY
+from tests.test_certify import Program as CertifyProgram
 
 EXTRA_UNARY = {
     "add_eps": lambda x: x + 1e-6, "rsqrt_eps": lambda x: torch.rsqrt(x + 1e-5),
@@ -47,33 +46,10 @@ SHAPE = (3, 4)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-class Program(nn.Module):
-    """vals[k] = op(vals[i], vals[j]); every value is kept for the attack (``self.vals``)."""
+class Program(CertifyProgram):
+    """The certify tests' random program over every modelled op."""
 
-    def __init__(self, steps):
-        super().__init__()
-        self.steps = steps
-        gen = torch.Generator().manual_seed(len(steps))
-        self.w = nn.Parameter(torch.randn(4, 4, generator=gen) * 0.5)
-        self.vals: list = []
-
-    def forward(self, *xs):
-        vals = list(xs)
-        for op, i, j in self.steps:
-            a = vals[i % len(vals)]
-            if a.shape != SHAPE:
-                a = a.expand(SHAPE) if a.shape[-1] == 1 else a.sum(-1, keepdim=True).expand(SHAPE)
-            if op == "linear":
-                vals.append(F.linear(a, self.w))
-            elif op in ALL_UNARY:
-                vals.append(ALL_UNARY[op](a))
-            else:
-                b = vals[j % len(vals)]
-                if b.shape != a.shape:
-                    b = b.expand_as(a) if b.shape[-1] == 1 else b.sum(-1, keepdim=True).expand_as(a)
-                vals.append(ALL_BINARY[op](a, b))
-        self.vals = vals
-        return vals[-1]
+    unary, binary = ALL_UNARY, ALL_BINARY
 
 
 def _f(v: float, dtype) -> float:

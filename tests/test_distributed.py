@@ -4,23 +4,16 @@ rank skip, the weights stay bit-identical, and nothing deadlocks."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import nanpass
+from tests.helpers import run_two_ranks
 
 pytestmark = pytest.mark.slow  # the slow tier: two spawned gloo processes per test
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, mode: str):
@@ -60,18 +53,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, mode: str):
 
 
 def _run(tmp_path, mode: str):
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path), mode)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung: deadlock"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_two_ranks(_worker, tmp_path, mode)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert results[0]["taken"] == results[1]["taken"] == [True, True, True, False, True, True]
     for k, v in results[0]["state"].items():

@@ -8,7 +8,6 @@ import functools
 import io
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.nn as nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 import nanpass
+from tests.helpers import run_two_ranks
 
 N, B, SPIKE = 240, 8, 13  # 30 batches of 8; batch 13 is the spiking one
 
@@ -414,12 +414,6 @@ def test_gpt2_spike_rewinds_skips_and_ends_bitwise_on_the_run_without_the_batch(
     assert not same(unguarded, clean)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_train(rank: int, mode: str, guarded: bool, drop=()):
     """Each rank trains on its own 20 batches; rank 1's batch 9 is scaled by 1e3."""
     import torch.distributed as dist
@@ -479,20 +473,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str, mode: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_ddp_every_rank_rewinds_together_and_the_weights_agree(tmp_path, mode):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, str(tmp_path), mode)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung: deadlock"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_two_ranks(_ddp_worker, tmp_path, mode)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     for r, res in enumerate((r0, r1)):
         rewound = [e for e in res["events"] if e["action"] == "rewound"]
