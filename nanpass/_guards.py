@@ -246,11 +246,9 @@ def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
         x, rest, kw = _unary(args, kwargs)
         c = consts(x.dtype)
         low, top = (c[lo] if lo else None), (c[hi] if hi else None)
-        if open_at is not None and low == bounds(x.dtype).tiny:
-            # x <= open_at: a subnormal a flush-to-zero CPU reads as 0 is moved too; NaN stays
-            xs = torch.where(x <= open_at, low, x)
-            if top is not None:
-                xs = torch.clamp(xs, None, top)
+        if open_at is not None:
+            xs = _raised(x, low, open_at)
+            xs = xs if top is None else torch.clamp(xs, None, top)
         else:
             xs = torch.clamp(x, low, top)
         _count(lambda: xs != x)
@@ -262,6 +260,16 @@ def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
         return value(at, fn(fence(torch.where(at, safe, xs)), *rest, **kw))
 
     return impl
+
+
+def _raised(x: Tensor, low: float, open_at: float = 0.0) -> Tensor:
+    """``x`` at least ``low``. While ``low`` is the dtype's tiny (no tighter bound asked for),
+    only operands at or below ``open_at`` move, so a subnormal keeps its own finite value;
+    written ``x <= open_at``, so a subnormal that a flush-to-zero CPU reads as 0 moves too, and
+    a NaN stays NaN."""
+    if low == bounds(x.dtype).tiny:
+        return torch.where(x <= open_at, low, x)
+    return torch.clamp(x, low, None)
 
 
 @memo
@@ -323,10 +331,7 @@ def logit(fn, args, kwargs, consts, fence):
     lo, hi = c["lo"], c["hi"]
     if eps is not None:  # respect the user's eps, but never 1 - eps == 1.0
         lo, hi = max(lo, _in_dtype(eps, x.dtype)), min(hi, _in_dtype(1 - eps, x.dtype))
-    if lo == bounds(x.dtype).tiny:  # a subnormal keeps its finite logit (see clamped)
-        xs = torch.clamp(torch.where(x <= 0, lo, x), None, hi)
-    else:
-        xs = torch.clamp(x, lo, hi)
+    xs = torch.clamp(_raised(x, lo), None, hi)
     _count(lambda: xs != x)
     return fn(fence(xs), *rest, **kw)
 

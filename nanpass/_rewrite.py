@@ -234,15 +234,12 @@ def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
                "one fused NaN/Inf check of the graph's outputs and gradients; an eager re-run "
                "names the op when it fires", rule.reason)
         # taps cost a reduction each in backward: not where the op cannot make a gradient
-        # non-finite (a float32 matmul, an integer power: the rule's own dtype and static tests)
-        lawful = rule.only_dtypes and _operand_dtype(node) not in (None, *rule.only_dtypes)
-        lawful = lawful or (sp.kind != "module" and rule.safe_if is not None
-                            and rule.safe_if(node.args, node.kwargs) is not None)
-        # a loss (cross_entropy, nll_loss) whose value is finite has a finite gradient, and its
-        # value is the graph's output, which the forward flag reads; its logits are the step's
-        # largest tensor: a tap there would be a pass over them
-        lawful = lawful or rule.guard is logits_loss
-        if torch.is_grad_enabled() and not lawful:
+        # non-finite (a float32 matmul, an integer power: the rule's own dtype and static
+        # tests), nor at a loss (cross_entropy, nll_loss): a finite loss has a finite gradient,
+        # its value is the graph's output, which the forward flag reads, and its logits are the
+        # step's largest tensor
+        safe = _out_of_dtype(rule, node) or _statically_safe(rule, sp, node) is not None
+        if torch.is_grad_enabled() and not safe and rule.guard is not logits_loss:
             probe = _tap_operands(graph, node, sp, probe)
     if probe is not None:
         gm.meta["nanpass_probe"] = True
@@ -254,6 +251,18 @@ def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
     output.args = ((*outs, bad) if isinstance(outs, (tuple, list)) else (outs, bad),)
     graph.lint()
     gm.recompile()
+
+
+def _out_of_dtype(rule: Rule, node: fx.Node) -> bool:
+    """The rule's op is unsafe only in other dtypes (a float32 matmul)."""
+    return bool(rule.only_dtypes) and _operand_dtype(node) not in (None, *rule.only_dtypes)
+
+
+def _statically_safe(rule: Rule, sp: Spelling, node: fx.Node) -> str | None:
+    """Why this call is safe from its arguments alone (``Rule.safe_if``: x ** 3 in float32)."""
+    if sp.kind == "module" or rule.safe_if is None:
+        return None
+    return rule.safe_if(node.args, node.kwargs)
 
 
 def _tap_operands(graph: fx.Graph, node: fx.Node, sp: Spelling, probe: fx.Node | None):
@@ -371,7 +380,7 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
         if hit is None:
             continue
         rule, sp = hit
-        if rule.only_dtypes and _operand_dtype(node) not in (None, *rule.only_dtypes):
+        if _out_of_dtype(rule, node):
             continue  # not unsafe in this dtype: not looked at (as under harden)
         if not rule.guarded:
             if rule.safe:
@@ -383,8 +392,8 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
             why = "op excluded by config"
         elif config.excluded(path):
             why = f"module {path!r} excluded by config"
-        elif sp.kind != "module" and rule.safe_if is not None:
-            why = rule.safe_if(node.args, node.kwargs)
+        else:
+            why = _statically_safe(rule, sp, node)
         if why is None:
             why = _static_non_float(node)
         if why is not None:
