@@ -496,3 +496,50 @@ def test_lightning_module_wrapping_a_hardened_model_trains_checkpoints_and_reloa
     loaded = type(reference).load_from_checkpoint(str(path), strict=True)
     for (k, a), (k2, b) in zip(module.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(a, b), k
+
+
+class _NewForms(torch.nn.Module):
+    """The guard forms of issue 19: softmax/logsumexp that keep -inf entries (an amax under
+    no_grad inside the guard) and the double-where form at singular points (sqrt, acos,
+    x ** 0.5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        a = torch.softmax(h.masked_fill(h < -0.5, float("-inf")), -1)
+        b = torch.logsumexp(h, -1, keepdim=True)
+        c = torch.sqrt(h.relu()) + torch.acos(torch.tanh(h)) + h.abs() ** 0.5
+        return (a * c + b).sum(-1)
+
+
+def test_the_new_guard_forms_compose():
+    """fullgraph after eager calls, vmap(grad) per-sample gradients and export with a dynamic
+    batch, on a batch whose first row is fully masked and sits at sqrt's and pow's 0."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = _NewForms()
+    safe = nanpass.harden(model)
+    x = torch.randn(5, 4)
+    with torch.no_grad():  # h = x.sum(-1) / 4 in every column
+        model.lin.weight.fill_(0.25)
+        model.lin.bias.zero_()
+    x[0] = -10.0
+    assert not torch.isfinite(model(x)).all()  # the plain model: NaN in the masked row
+    good = torch.rand(5, 4)
+    assert torch.equal(safe(good), model(good))
+    eager = safe(x)
+    compiled = torch.compile(safe, backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.allclose(out, eager)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_sample = vmap(grad(lambda p, xi: functional_call(safe, p, (xi[None],)).sum()), in_dims=(None, 0))(params, x)
+    assert all(torch.isfinite(g).all() for g in per_sample.values())
+    batch = torch.export.Dim("batch")
+    exported = torch.export.export(safe, (x,), dynamic_shapes=({0: batch},)).module()
+    assert torch.isfinite(exported(x)).all() and torch.isfinite(exported(x[:3])).all()
