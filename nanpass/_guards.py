@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextvars
 import inspect
 import numbers
+import sys
+import types
 from collections.abc import Callable
 
 import torch
@@ -617,8 +619,55 @@ def _finite_mask(mask, dtype: torch.dtype):
     return torch.clamp(mask.to(dtype), min=low)
 
 
+def _no_torch_function(relevant_args) -> bool:
+    return False
+
+
+def _entered(fn: Callable, **names) -> Callable:
+    """``fn``'s own code with its torch-function dispatch off: run under a mode, each call it
+    makes reaches the mode (its dispatch would hand the mode the whole call as one, and the
+    mode is off while it handles a call). Its globals are ``fn``'s module's, copied into a
+    module of its own that dynamo can import and guard like any other."""
+    name = f"nanpass._entered_{fn.__module__.replace('.', '_')}"
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        module.__dict__.update({k: v for k, v in fn.__globals__.items() if not k.startswith("__")})
+        module.__builtins__ = fn.__globals__["__builtins__"]
+        module.has_torch_function = _no_torch_function
+        module.__dict__.update(names)
+        sys.modules[name] = module
+    body = types.FunctionType(fn.__code__, module.__dict__, fn.__name__, fn.__defaults__, fn.__closure__)
+    body.__kwdefaults__ = fn.__kwdefaults__
+    return body
+
+
+def _check_key_padding_mask(mask: Tensor, src_len: int, bsz: int) -> None:
+    """torch's own check, without the message closures dynamo cannot trace."""
+    if mask.shape[0] != bsz:
+        raise AssertionError(f"Expected key_padded_mask.shape[0] to be {bsz}, but got {mask.shape[0]}")
+    if mask.shape[1] != src_len:
+        raise AssertionError(f"Expected key_padded_mask.shape[1] to be {src_len}, but got {mask.shape[1]}")
+
+
+_MHA = torch.nn.functional.multi_head_attention_forward
+_MHA_BODY = _entered(_MHA, _check_key_padding_mask=_check_key_padding_mask)
+
+# a TorchFunctionMode under which each call the rule table names goes to its guard: set by
+# _intercept, the layer that knows the table (this module is below it)
+_GUARDED_CALLS: list[Callable] = []
+
+
+def guard_calls_with(mode: Callable) -> None:
+    _GUARDED_CALLS[:] = [mode]
+
+
 def attention(fn, args, kwargs, consts, fence):
-    """nn.MultiheadAttention / F.multi_head_attention_forward: rows whose every key is masked."""
+    """nn.MultiheadAttention / F.multi_head_attention_forward. A row whose every key is
+    masked: its -inf mask entries become finite. In float16, q @ k^T past 65504 is inf and its
+    softmax NaN (pytorch#60939): torch's own code runs with each call it makes guarded (the
+    in- and out-projections and the scores saturated, the softmax's masked rows), so every
+    result the original gets finite keeps its bits."""
     module = isinstance(fn, torch.nn.Module)
     if torch.compiler.is_compiling():
         params = _MHA_PARAMS["module" if module else "function"]
@@ -627,8 +676,11 @@ def attention(fn, args, kwargs, consts, fence):
     bound = dict(zip(params, args, strict=False))
     bound.update(kwargs)
     dtype = bound["query"].dtype
-    if dtype.is_floating_point:
+    # need_weights=False runs scaled_dot_product_attention, which gives such a row 0 itself
+    if dtype.is_floating_point and bound.get("need_weights", True):
         for name in ("key_padding_mask", "attn_mask"):
             if bound.get(name) is not None:
                 bound[name] = _finite_mask(bound[name], dtype)
-    return fn(**bound)
+    # a module (an fx capture keeps nn.MultiheadAttention whole) reaches the function below
+    with _GUARDED_CALLS[0]():
+        return (_MHA_BODY if fn is _MHA else fn)(**bound)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _compat
+from . import _compat, _guards
 from ._check import Site, checked
 from ._config import Config
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
@@ -291,6 +291,53 @@ def _source(frame) -> tuple[str | None, str | None]:
     return f"{path}:{line}", linecache.getline(path, line).strip() or None
 
 
+def _as_called(func, args, kwargs):
+    """A call the table does not name, as called. Under dynamo a Tensor method written in
+    Python (``Tensor.unflatten``, ``Tensor.dim_order``) runs as a method of its tensor, as
+    dynamo traces it in a plain model: it cannot trace the function's own ``super()`` call."""
+    if (isinstance(func, types.FunctionType) and torch.compiler.is_compiling()
+            and func.__module__ == "torch._tensor" and args and isinstance(args[0], Tensor)):
+        return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
+
+
+def _hit(func) -> tuple[Rule, Spelling, bool] | None:
+    """The rule table's entry for a call, if it names it."""
+    if isinstance(func, types.FunctionType) and torch.compiler.is_compiling():
+        for fn, h in PY_CALLS:  # dynamo cannot hash a traced function into a dict
+            if fn is func:
+                return h
+        return None
+    try:
+        return CALLS.get(func)
+    except TypeError:  # an unhashable callable
+        return None
+
+
+class CallsGuarded(TorchFunctionMode):
+    """Each call the rule table names, to its guard (default constants; no site, no report):
+    what a guard of a torch composite written in Python runs that composite's own code under,
+    so the calls inside it are guarded as the user's would be (float16 attention scores
+    inside F.multi_head_attention_forward). Its one site is the composite's."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        hit = _hit(func)
+        kwargs = kwargs or {}
+        if hit is None or not hit[0].guarded:
+            return _as_called(func, args, kwargs)
+        rule, sp, swapped = hit
+        if swapped:
+            args = (args[1], args[0], *args[2:])
+        if ((rule.only_dtypes and not _in_dtypes(rule, args)) or not _float_operand(args, kwargs)
+                or (rule.safe_if is not None and rule.safe_if(args, kwargs) is not None)):
+            return sp.call(*args, **kwargs)
+        return guard_fn(rule, sp, _DEFAULTS.consts(rule.name) if rule.constants else None)(*args, **kwargs)
+
+
+_DEFAULTS = Config()
+_guards.guard_calls_with(CallsGuarded)
+
+
 class GuardMode(TorchFunctionMode):
     """Swaps the rule table's calls for guards while a hardened model runs. One per call: a
     mode is per thread, so threads never see each other's."""
@@ -300,17 +347,7 @@ class GuardMode(TorchFunctionMode):
         self.sites = sites
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
-        if isinstance(func, types.FunctionType) and torch.compiler.is_compiling():
-            hit = None
-            for fn, h in PY_CALLS:
-                if fn is func:
-                    hit = h
-                    break
-        else:
-            try:
-                hit = CALLS.get(func)
-            except TypeError:  # an unhashable callable
-                hit = None
+        hit = _hit(func)
         if hit is not None:
             rule = hit[0]
             if rule.only_dtypes and not hit[2] and not _in_dtypes(rule, args):
@@ -318,7 +355,7 @@ class GuardMode(TorchFunctionMode):
             return self.sites.call(hit, args, kwargs or {})
         # anything else runs as called; a torch composite written in Python (F.normalize)
         # runs with the mode off, as each of torch's own functions re-dispatches to a mode
-        return func(*args, **(kwargs or {}))
+        return _as_called(func, args, kwargs or {})
 
 
 def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):

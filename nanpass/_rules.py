@@ -293,9 +293,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "multi_head_attention", g.attention,
-        reason="a query whose every key is masked gives NaN (need_weights=True path)",
-        action="-inf / True mask entries become finfo.min/4: fully masked rows stay finite, "
-        "all other rows are unchanged",
+        reason="a query whose every key is masked gives NaN (need_weights=True path); in "
+        "float16, q @ k^T past 65504 is inf and its softmax NaN (pytorch#60939)",
+        action="need_weights=True: -inf / True mask entries become finfo.min/4, so fully masked "
+        "rows stay finite; torch's own code runs with each call inside it guarded (float16 "
+        "projections and scores saturated): every finite result keeps its bits",
         functions=("F.multi_head_attention_forward",), modules=("nn.MultiheadAttention",),
         sample=Sample(_mha(masked=True), _mha(masked=False), ctor={"nn.MultiheadAttention": (8, 2)},
                dtypes=(torch.bfloat16, torch.float32, torch.float64)),
@@ -782,6 +784,18 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(300.0, 300.0, shape=(1, 1, 2)), tensor(300.0, 300.0, shape=(1, 2, 1))),
                       operands(tensor(3.0, 2.0, shape=(1, 1, 2)), tensor(1.0, 4.0, shape=(1, 2, 1))),
                       dtypes=(torch.float16,)),
+        only_dtypes=(torch.float16,),
+    ),
+    Rule(
+        "baddbmm", g.finite_low_precision,
+        reason="masked attention scores (mask + q @ k^T, as nn.MultiheadAttention computes them) "
+        "in float16 overflow to inf",
+        action="float16 only: the result saturated at +-sat; other dtypes run as written",
+        functions=("torch.baddbmm",), methods=("baddbmm",), inplace=False,
+        sample=Sample(operands(tensor(0.0, shape=(1, 1, 1)), tensor(300.0, 300.0, shape=(1, 1, 2)),
+                               tensor(300.0, 300.0, shape=(1, 2, 1))),
+                      operands(tensor(1.0, shape=(1, 1, 1)), tensor(3.0, 2.0, shape=(1, 1, 2)),
+                               tensor(1.0, 4.0, shape=(1, 2, 1))), dtypes=(torch.float16,)),
         only_dtypes=(torch.float16,),
     ),
     # -- recognised and left alone, with the reason shown in the report -------------------------

@@ -231,6 +231,61 @@ def test_compiled_hardened_model_is_one_graph_and_finite():
         torch.testing.assert_close(a, b)
 
 
+class _PythonMethods(torch.nn.Module):
+    """Tensor methods torch writes in Python (their bodies call ``super()``), then a guard."""
+
+    def forward(self, x):
+        y = x.unflatten(-1, (2, 2)).flatten(-2) * len(x.dim_order())
+        return torch.log(y.abs()).sum()
+
+
+def test_python_tensor_methods_compile_fullgraph_under_harden():
+    """dynamo traces ``x.unflatten`` in a plain model; handed to a mode as the function
+    Tensor.unflatten, its ``super()`` call was a graph break (fullgraph=True raised)."""
+    model = _PythonMethods()
+    x = torch.randn(3, 4)
+    x[0, 0] = 0.0
+    torch._dynamo.reset()
+    plain = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    assert not torch.isfinite(plain)
+    out = torch.compile(nanpass.harden(model), backend="aot_eager", fullgraph=True)(x)
+    assert torch.isfinite(out)
+
+
+class _HalfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).half()
+
+    def forward(self, x, pad=None):
+        out, weights = self.mha(x, x, x, key_padding_mask=pad)
+        return out.float().sum() + weights.float().sum()
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "padded"])
+def test_float16_attention_compiles_fullgraph_finite_and_bitwise(masked):
+    """The attention guard runs torch's own F.multi_head_attention_forward with its calls
+    guarded (float16 scores past 65504, pytorch#60939): one graph, finite on an outlier token,
+    and the plain model's bits on ordinary ones."""
+    torch.manual_seed(1)
+    model = _HalfAttention()
+    gen = torch.Generator().manual_seed(1)
+    good = torch.randn(2, 5, 8, generator=gen).half()
+    bad = good.clone()
+    bad[0, 1] *= 1000
+    pad = torch.tensor([[False] * 5, [False, False, True, True, True]]) if masked else None
+    assert not torch.isfinite(model(bad, pad))
+    torch._dynamo.reset()
+    compiled = torch.compile(nanpass.harden(model), backend="aot_eager", fullgraph=True)
+    params = list(model.parameters())
+    loss = compiled(bad, pad)
+    grads = torch.autograd.grad(loss, params)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    want = torch.autograd.grad(model(good, pad), params)
+    got = torch.autograd.grad(compiled(good, pad), params)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
+
+
 def _explain(model, batch):
     torch._dynamo.reset()
     out = torch._dynamo.explain(model)(**batch)

@@ -318,7 +318,7 @@ def test_cosine_then_acos(dtype, data):
     assert (outs[0].abs() <= math.pi).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_mha_fully_padded(dtype, need_weights):
     torch.manual_seed(0)
@@ -332,6 +332,8 @@ def test_mha_fully_padded(dtype, need_weights):
     ref = mha(q, q, q, key_padding_mask=pad, need_weights=need_weights)[0]
     if need_weights:
         assert not finite(ref[:, 0]).all()  # what torch itself gives
+    else:  # scaled_dot_product_attention gives the fully padded row 0 itself: all bits kept
+        assert torch.equal(bits(outs[0]), bits(ref))
     # the sequence that has a real key is unchanged, bit for bit
     assert torch.equal(bits(outs[0][:, 1]), bits(ref[:, 1]))
 

@@ -261,6 +261,8 @@ TABLE: list[tuple[str, str, str, str]] = [
      "graph: deg.pow(-0.5) with the user's inf mask", "an isolated node (zero degree): the user's mask fires"),
     ("giou_fp16_area_overflow", "https://github.com/facebookresearch/fvcore/pull/114",
      "detection fp16: GIoU areas", "float16 boxes 300 wide: the area overflows 65504"),
+    ("mha_fp16_scores_overflow", "https://github.com/pytorch/pytorch/issues/60939",
+     "attention fp16: q @ k^T in F.multi_head_attention_forward", "one outlier token 1000x: its scores overflow 65504"),
 ]
 
 
@@ -1262,6 +1264,18 @@ def _mha_make(embed, heads):
               mods={"mha": nn.MultiheadAttention(embed, heads, batch_first=True)})
 
 
+def _mha_fp16_make():
+    torch.manual_seed(1)
+    return Fn(_mha_weights, mods={"mha": nn.MultiheadAttention(8, 2, batch_first=True).half()})
+
+
+def _outlier_tokens(scale: float):
+    """Float16 activations with one outlier token (a massive activation; an attention sink)."""
+    x = _f(2, 5, 8, seed=1).half()
+    x[0, 1] *= scale
+    return leaf(x), None
+
+
 def _opt_attention_make():
     q, k = nn.Linear(4, 4), nn.Linear(4, 4)
     with torch.no_grad():  # scores q.k = -|x|^2: below -16, where finfo.min + score is -inf
@@ -1708,6 +1722,8 @@ CASES: dict[str, Case] = {
         lambda: (leaf(torch.tensor([[0.0, 0.0, 300.0, 300.0]], dtype=H)), torch.tensor([[10.0, 10.0, 320.0, 310.0]], dtype=H)),
         lambda: (leaf(torch.tensor([[0.0, 0.0, 30.0, 30.0]], dtype=H)), torch.tensor([[1.0, 1.0, 32.0, 31.0]], dtype=H)),
         graph_break="aot_autograd cannot trace the boolean-mask assignment (aten.nonzero): the frame runs eagerly"),
+    "mha_fp16_scores_overflow": Case(
+        _mha_fp16_make, lambda: _outlier_tokens(1000.0), lambda: _outlier_tokens(30.0)),
 }
 
 
