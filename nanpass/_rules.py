@@ -854,6 +854,17 @@ def match(node, root: torch.nn.Module | None = None) -> tuple[Rule, Spelling] | 
     return None
 
 
+def _reflected(dunder: Callable) -> Callable:
+    """``a op b`` for a non-tensor ``a``, as torch computes it: ``b.__rop__(a)``, with the
+    operands in the order a guard reads them. ``2 / x`` is ``x.reciprocal() * 2``, not a true
+    division (other bits), and a reflected dunder may be handed a tensor ``a`` as well."""
+
+    def call(a, b, *rest, **kwargs):
+        return dunder(b, a, *rest, **kwargs)
+
+    return call
+
+
 def _operator_calls(rule: Rule) -> Iterator[tuple[str, object, Spelling, bool]]:
     """Python operators as a TorchFunctionMode sees them: ``x / y`` arrives as a dunder
     (``Tensor.__truediv__``, or ``Tensor.__rtruediv__`` for ``2 / x``, operands swapped)."""
@@ -863,7 +874,7 @@ def _operator_calls(rule: Rule) -> Iterator[tuple[str, object, Spelling, bool]]:
         for attr, swapped in ((f"__{dunder}__", False), (f"__r{dunder}__", True)):
             fn = getattr(Tensor, attr, None)
             if fn is not None:
-                yield attr, fn, Spelling("operator", name, fn, op if swapped else fn), swapped
+                yield attr, fn, Spelling("operator", name, fn, _reflected(fn) if swapped else fn), swapped
     for ip, op in rule.inplace_operators:
         attr = f"__{_resolve(ip).__name__.strip('_')}__"
         fn = getattr(Tensor, attr, None)

@@ -180,3 +180,36 @@ def test_reflected_and_inplace_operators(name, fn, good, capture):
     safe_x = torch.tensor(good)
     assert torch.isfinite(Op()(safe_x)).all()
     assert torch.equal(nanpass.harden(Op())(safe_x), Op()(safe_x))
+
+
+def _reflected():
+    from nanpass._rules import _operator_calls
+
+    return [pytest.param(rule, attr, other, id=f"{rule.name}-{attr}-{other}")
+            for rule in RULES if rule.guarded
+            for attr, _, _, swapped in _operator_calls(rule) if swapped
+            for other in ("scalar", "tensor") if not (rule.name == "matmul" and other == "scalar")]
+
+
+class _Reflected(nn.Module):
+    def __init__(self, attr):
+        super().__init__()
+        self.attr = attr
+
+    def forward(self, x, other):
+        return getattr(x, self.attr)(other)
+
+
+@pytest.mark.parametrize(("rule", "attr", "other"), _reflected())
+def test_reflected_operators_keep_the_originals_bits(rule, attr, other):
+    """``2 / x`` reaches the mode as ``x.__rtruediv__(2)``, which torch computes as
+    ``x.reciprocal() * 2``, not as a true division: the guard must run the dunder itself."""
+    dtype = rule.only_dtypes[0] if rule.only_dtypes else torch.float32
+    shape = (3, 3) if rule.name == "matmul" else (64,)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.rand(shape, generator=gen) + 0.5).to(dtype)
+    y = (torch.rand(shape, generator=gen) + 0.5).to(dtype) if rule.name == "matmul" else (
+        3.14 if other == "scalar" else torch.tensor(1.7658, dtype=dtype))
+    model = _Reflected(attr)
+    want, got = model(x, y), nanpass.harden(model)(x, y)
+    assert torch.equal(got, want), (got - want).abs().max()
