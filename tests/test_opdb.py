@@ -21,6 +21,11 @@ pytestmark = pytest.mark.slow
 _SKIP = ("empty", "new_empty", "empty_like", "new_empty_strided", "empty_strided", "empty_permuted")
 
 
+def _unstable(op, sample) -> bool:
+    """lstsq's gelsy driver on an underdetermined system: two plain calls often disagree."""
+    return op.name == "linalg.lstsq" and sample.kwargs.get("driver") == "gelsy"
+
+
 def _ops(dtype):
     from torch.testing._internal.common_methods_invocations import op_db
 
@@ -95,8 +100,8 @@ def test_every_op_db_sample_keeps_the_originals_bits(dtype):
                     again = _run(plain, s.input)
                 except Exception:  # noqa: BLE001 - the sample is invalid for the plain op too
                     continue
-                if len(again) != len(want) or not all(map(_same, again, want)):
-                    continue  # the plain op differs from itself (lstsq's gelsy, underdetermined)
+                if len(again) != len(want) or not all(map(_same, again, want)) or _unstable(op, s):
+                    continue  # the plain op differs from itself
                 got = _run(nanpass.harden(plain), s.input)
                 checked += 1
                 name = f"{op.name}.{op.variant_test_name or ''}[{i}]"
