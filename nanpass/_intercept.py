@@ -355,7 +355,9 @@ class GuardMode(TorchFunctionMode):
             return self.sites.call(hit, args, kwargs or {})
         # anything else runs as called; a torch composite written in Python (F.normalize)
         # runs with the mode off, as each of torch's own functions re-dispatches to a mode
-        return _as_called(func, args, kwargs or {})
+        if isinstance(func, types.FunctionType):
+            return _as_called(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
 
 
 def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):

@@ -397,7 +397,7 @@ def _dims():
     return ({0: batch, 1: seq},)
 
 
-@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+@pytest.mark.parametrize("strict", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["non-strict", "strict"])
 def test_export_with_dynamic_shapes_keeps_the_guards(strict):
     plain, x, bad = _deploy_case()
     ep = torch.export.export(nanpass.harden(plain), (x,), dynamic_shapes=_dims(), strict=strict)
