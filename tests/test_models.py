@@ -119,3 +119,29 @@ def test_decoders_bitwise_and_generate_guarded(make, guarded):
     assert torch.equal(got, want)
     calls = {r.op: r.calls for r in nanpass.stats(counted).rows}
     assert all(calls.get(op, 0) >= 4 for op in guarded - {"cross_entropy"})  # every decoding step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_siglip_pooling_head_attention_keeps_every_bit(dtype):
+    """SigLIP's pooling head is an nn.MultiheadAttention (need_weights=True by default): its
+    guard runs torch's own attention code with the calls inside guarded. Outputs and every
+    parameter's gradient stay bitwise the plain model's, in training, and it compiles as one
+    graph."""
+    cfg = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    model = transformers.SiglipVisionModel(cfg).to(dtype).train()
+    x = torch.randn(2, 3, 32, 32, dtype=dtype)
+    safe = nanpass.harden(model)
+    params = list(model.parameters())
+    want = model(pixel_values=x).pooler_output
+    got = safe(pixel_values=x).pooler_output
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got.float().sum(), params),
+                    torch.autograd.grad(want.float().sum(), params), strict=True):
+        assert torch.equal(a, b)
+    assert "multi_head_attention" in {c.op for c in safe.changes if c.action == "guarded"}
+    torch._dynamo.reset()
+    compiled = torch.compile(safe, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(pixel_values=x).pooler_output, want)
