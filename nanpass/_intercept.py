@@ -53,6 +53,15 @@ def _float_operand(args, kwargs) -> bool:
     return False
 
 
+def _left_as_written(rule: Rule, args, kwargs) -> bool:
+    """A call its rule's ``safe_if`` proves safe, or one with no float operand."""
+    return (rule.safe_if is not None and rule.safe_if(args, kwargs) is not None) or not _float_operand(args, kwargs)
+
+
+def _fresh_guard(rule: Rule, sp: Spelling, config: Config) -> Callable:
+    return guard_fn(rule, sp, config.consts(rule.name) if rule.constants else None)
+
+
 def _in_dtypes(rule: Rule, args) -> bool:
     """Whether the call computes in one of ``rule.only_dtypes``."""
     dtypes = rule.only_dtypes
@@ -176,17 +185,12 @@ class Sites:
         on the code objects in its keys). The report of a compiled hardened model comes from
         the eager calls or from the backend."""
         action = self._decision(rule, None)[0]
-        if action == "left":
-            return sp.call(*args, **kwargs)
-        if rule.safe_if is not None and rule.safe_if(args, kwargs) is not None:
-            return sp.call(*args, **kwargs)
-        if not _float_operand(args, kwargs):
+        if action == "left" or _left_as_written(rule, args, kwargs):
             return sp.call(*args, **kwargs)
         if action == "checked":
             site = Site(rule.name, sp.name, "", "", None, None)
             return make_checker(rule, sp, site, self.config.mode == "warn")(*args, **kwargs)
-        cfg = self.config
-        return guard_fn(rule, sp, cfg.consts(rule.name) if rule.constants else None)(*args, **kwargs)
+        return _fresh_guard(rule, sp, self.config)(*args, **kwargs)
 
     def _change_of(self, key) -> Change | None:
         return self._changes_by_key.get(key)
@@ -328,10 +332,9 @@ class CallsGuarded(TorchFunctionMode):
         rule, sp, swapped = hit
         if swapped:
             args = (args[1], args[0], *args[2:])
-        if ((rule.only_dtypes and not _in_dtypes(rule, args)) or not _float_operand(args, kwargs)
-                or (rule.safe_if is not None and rule.safe_if(args, kwargs) is not None)):
+        if (rule.only_dtypes and not _in_dtypes(rule, args)) or _left_as_written(rule, args, kwargs):
             return sp.call(*args, **kwargs)
-        return guard_fn(rule, sp, _DEFAULTS.consts(rule.name) if rule.constants else None)(*args, **kwargs)
+        return _fresh_guard(rule, sp, _DEFAULTS)(*args, **kwargs)
 
 
 _DEFAULTS = Config()
