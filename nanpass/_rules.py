@@ -305,8 +305,11 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "mha_fast_path", g.finite_result,
         reason="nn.MultiheadAttention's inference fast path (eval, no grad): a query whose every "
-        "key is masked gives NaN, whatever the mask values",
-        action="a NaN result becomes 0 (what scaled_dot_product_attention gives such a row)",
+        "key is masked gives NaN, whatever the mask values; so does, in float16, a token whose "
+        "projection or scores overflow inside the fused kernel",
+        action="a NaN result becomes 0 (what scaled_dot_product_attention gives a fully masked "
+        "row); the fused kernel's insides cannot be guarded: a float16 model that overflows "
+        "there gets the training path's saturated answer only with grad enabled",
         functions=("torch._native_multi_head_attention",),
     ),
     Rule(
