@@ -145,3 +145,44 @@ def test_every_op_db_op_compiles_fullgraph_hardened_where_plain_does():
                 broken.append(f"{op.name}.{op.variant_test_name or ''}: {error}")
     assert both >= 550, both  # 597 seen
     assert not broken, broken
+
+
+def test_every_op_db_sample_keeps_the_originals_bits_through_the_backend():
+    """The graph pass: ``backend=nanpass.backend(inner="aot_eager")`` against ``aot_eager`` alone,
+    the first sample of every op."""
+    import torch._dynamo
+
+    def compiled(backend, model, x):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        return _flat(torch.compile(model, backend=backend)(x))
+
+    checked, wrong = 0, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for op in _ops(torch.float32):
+            samples = _samples(op, torch.float32, n=1)
+            if not samples or _unstable(op, samples[0]):
+                continue
+            plain = One(op, samples[0])
+            x = samples[0].input
+            try:
+                want = compiled("aot_eager", plain, x)
+                again = compiled("aot_eager", plain, x)
+                if not want or not _finite(want) or any(t.is_complex() for t in want):
+                    continue
+            except Exception:  # noqa: BLE001 - the plain model does not compile either
+                continue
+            if len(again) != len(want) or not all(map(_same, again, want)):
+                continue  # the plain op differs from itself
+            name = f"{op.name}.{op.variant_test_name or ''}"
+            try:
+                got = compiled(nanpass.backend(inner="aot_eager"), plain, x)
+            except Exception as e:  # noqa: BLE001 - the message is the result
+                wrong.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+                continue
+            checked += 1
+            if len(got) != len(want) or not all(map(_same, got, want)):
+                wrong.append(f"{name}: values")
+    assert checked >= 560, checked  # 616 seen
+    assert not wrong, wrong
