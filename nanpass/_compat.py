@@ -26,8 +26,11 @@ nothing unless a hardened call is running.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import logging
+import sys
+import types
 
 import torch
 import torch.utils.checkpoint as _cp
@@ -201,6 +204,31 @@ def sym_constant(d) -> int:
 
 
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
+def _no_torch_function(relevant_args) -> bool:
+    return False
+
+
+def entered(fn, **names):
+    """``fn``'s own code, past its torch-function dispatch: run under a mode, each call it makes
+    reaches the mode (its dispatch would hand the mode the whole call as one, and the mode is
+    off while it handles a call). Its global ``has_torch_function`` (and each of ``names``) is
+    read under an alias that nanpass adds to ``fn``'s own module; every other global is
+    ``fn``'s module's, looked up live (a later patch of ``F.scaled_dot_product_attention`` is
+    seen), and dynamo guards it like any other function's there."""
+    module = sys.modules[fn.__module__]
+    aliases = {}
+    for name, value in {"has_torch_function": _no_torch_function, **names}.items():
+        aliases[name] = f"_nanpass_{name}"
+        setattr(module, aliases[name], value)
+    for ins in dis.get_instructions(fn):  # co_names also names attributes: only globals may move
+        if ins.argval in aliases and ins.opname != "LOAD_GLOBAL":
+            raise RuntimeError(f"nanpass: {fn.__qualname__} reads {ins.argval} as {ins.opname}")
+    code = fn.__code__.replace(co_names=tuple(aliases.get(n, n) for n in fn.__code__.co_names))
+    body = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    body.__kwdefaults__ = fn.__kwdefaults__
+    return body
 
 
 def function_apply(cls):

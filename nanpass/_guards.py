@@ -26,15 +26,12 @@ per-op overrides.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import numbers
-import sys
-import types
 from collections.abc import Callable
 
 import torch
 
-from ._compat import function_apply
+from ._compat import entered, function_apply
 from ._constants import PowDomain, bounds, memo, pow_domain
 
 Tensor = torch.Tensor
@@ -197,6 +194,8 @@ def finite(x):
     """+-inf to +-max, NaN to 0: identity on finite values; the gradient passes straight through."""
     if not isinstance(x, Tensor) or not x.is_floating_point():
         return x
+    if x.is_nested:  # the encoder's inference fast path (padding dropped): each sequence's own
+        return torch.nested.as_nested_tensor([finite(t) for t in x.unbind()])
     _count(lambda: ~torch.isfinite(x))
     if not x.requires_grad:
         return _saturate(x)
@@ -597,51 +596,6 @@ def cosine_similarity(fn, args, kwargs, consts, fence):
     return finite(fn(fence(finite(a)), fence(finite(b)), *rest, **kw))
 
 
-@memo
-def _params(fn) -> tuple[str, ...]:
-    return tuple(p for p in inspect.signature(fn).parameters if p != "self")
-
-
-# read once at import: inside a region dynamo traces, inspect.signature and a cache keyed on
-# the function are Python state it misreads (the arguments came out bound to the wrong names)
-_MHA_PARAMS = {"module": _params(torch.nn.MultiheadAttention.forward),
-               "function": _params(torch.nn.functional.multi_head_attention_forward)}
-
-
-def _finite_mask(mask, dtype: torch.dtype):
-    """-inf (or a bool True) becomes a large finite negative: a fully masked row stays finite,
-    and every other row gets exactly the same softmax (exp of either underflows to 0)."""
-    if mask is None:
-        return None
-    low = bounds(dtype).mask_low
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, low)
-    return torch.clamp(mask.to(dtype), min=low)
-
-
-def _no_torch_function(relevant_args) -> bool:
-    return False
-
-
-def _entered(fn: Callable, **names) -> Callable:
-    """``fn``'s own code with its torch-function dispatch off: run under a mode, each call it
-    makes reaches the mode (its dispatch would hand the mode the whole call as one, and the
-    mode is off while it handles a call). Its globals are ``fn``'s module's, copied into a
-    module of its own that dynamo can import and guard like any other."""
-    name = f"nanpass._entered_{fn.__module__.replace('.', '_')}"
-    module = sys.modules.get(name)
-    if module is None:
-        module = types.ModuleType(name)
-        module.__dict__.update({k: v for k, v in fn.__globals__.items() if not k.startswith("__")})
-        module.__builtins__ = fn.__globals__["__builtins__"]
-        module.has_torch_function = _no_torch_function
-        module.__dict__.update(names)
-        sys.modules[name] = module
-    body = types.FunctionType(fn.__code__, module.__dict__, fn.__name__, fn.__defaults__, fn.__closure__)
-    body.__kwdefaults__ = fn.__kwdefaults__
-    return body
-
-
 def _check_key_padding_mask(mask: Tensor, src_len: int, bsz: int) -> None:
     """torch's own check, without the message closures dynamo cannot trace."""
     if mask.shape[0] != bsz:
@@ -651,10 +605,10 @@ def _check_key_padding_mask(mask: Tensor, src_len: int, bsz: int) -> None:
 
 
 _MHA = torch.nn.functional.multi_head_attention_forward
-_MHA_BODY = _entered(_MHA, _check_key_padding_mask=_check_key_padding_mask)
+_MHA_BODY = entered(_MHA, _check_key_padding_mask=_check_key_padding_mask)
 
-# a TorchFunctionMode under which each call the rule table names goes to its guard: set by
-# _intercept, the layer that knows the table (this module is below it)
+# a TorchFunctionMode under which each call the rule table names goes to its guard (or to the
+# guard given for its rule's name): set by _intercept, the layer that knows the table
 _GUARDED_CALLS: list[Callable] = []
 
 
@@ -662,25 +616,27 @@ def guard_calls_with(mode: Callable) -> None:
     _GUARDED_CALLS[:] = [mode]
 
 
+def _scores(fn, args, kwargs, consts, fence):
+    """float16 attention scores (q @ k^T, mask + q @ k^T), which only a softmax reads: +inf is
+    max (the row's winner, as the true score was), -inf stays (weight 0, as in the original:
+    a saturated -sat could beat finite scores below it), NaN (a masked -inf plus an overflowed
+    +inf) is -inf. A row left all -inf is the softmax guard's."""
+    s = fn(*args, **kwargs)
+    if not isinstance(s, Tensor) or s.dtype != torch.float16:
+        return s
+    _count(lambda: torch.isnan(s) | (s == float("inf")))
+    return torch.nan_to_num(s, nan=float("-inf"), posinf=bounds(s.dtype).max, neginf=float("-inf"))
+
+
+_ATTENTION_CALLS = {"bmm": _scores, "baddbmm": _scores}
+
+
 def attention(fn, args, kwargs, consts, fence):
-    """nn.MultiheadAttention / F.multi_head_attention_forward. A row whose every key is
-    masked: its -inf mask entries become finite. In float16, q @ k^T past 65504 is inf and its
-    softmax NaN (pytorch#60939): torch's own code runs with each call it makes guarded (the
-    in- and out-projections and the scores saturated, the softmax's masked rows), so every
-    result the original gets finite keeps its bits."""
-    module = isinstance(fn, torch.nn.Module)
-    if torch.compiler.is_compiling():
-        params = _MHA_PARAMS["module" if module else "function"]
-    else:  # a subclass may take other arguments
-        params = _params(type(fn).forward if module else fn)
-    bound = dict(zip(params, args, strict=False))
-    bound.update(kwargs)
-    dtype = bound["query"].dtype
-    # need_weights=False runs scaled_dot_product_attention, which gives such a row 0 itself
-    if dtype.is_floating_point and bound.get("need_weights", True):
-        for name in ("key_padding_mask", "attn_mask"):
-            if bound.get(name) is not None:
-                bound[name] = _finite_mask(bound[name], dtype)
-    # a module (an fx capture keeps nn.MultiheadAttention whole) reaches the function below
-    with _GUARDED_CALLS[0]():
-        return (_MHA_BODY if fn is _MHA else fn)(**bound)
+    """nn.MultiheadAttention / F.multi_head_attention_forward: torch's own code runs with each
+    call it makes guarded. A query whose every key is masked reaches the softmax guard (its row
+    becomes uniform); in float16, q @ k^T past 65504 is inf and its softmax NaN (pytorch#60939):
+    the projections saturate, the scores keep their order (``_scores``). Every result the
+    original gets finite keeps its bits. A module (an fx capture keeps nn.MultiheadAttention
+    whole) reaches the function under the same mode."""
+    with _GUARDED_CALLS[0](_ATTENTION_CALLS):
+        return (_MHA_BODY if fn is _MHA else fn)(*args, **kwargs)

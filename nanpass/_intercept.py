@@ -58,8 +58,8 @@ def _left_as_written(rule: Rule, args, kwargs) -> bool:
     return (rule.safe_if is not None and rule.safe_if(args, kwargs) is not None) or not _float_operand(args, kwargs)
 
 
-def _fresh_guard(rule: Rule, sp: Spelling, config: Config) -> Callable:
-    return guard_fn(rule, sp, config.consts(rule.name) if rule.constants else None)
+def _fresh_guard(rule: Rule, sp: Spelling, config: Config, impl: Callable | None = None) -> Callable:
+    return guard_fn(rule, sp, config.consts(rule.name) if rule.constants else None, impl)
 
 
 def _in_dtypes(rule: Rule, args) -> bool:
@@ -324,6 +324,10 @@ class CallsGuarded(TorchFunctionMode):
     so the calls inside it are guarded as the user's would be (float16 attention scores
     inside F.multi_head_attention_forward). Its one site is the composite's."""
 
+    def __init__(self, guards: dict[str, Callable] | None = None):
+        super().__init__()
+        self.guards = guards or {}  # rule name -> the guard this composite's calls take instead
+
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         hit = _hit(func)
         kwargs = kwargs or {}
@@ -334,7 +338,7 @@ class CallsGuarded(TorchFunctionMode):
             args = (args[1], args[0], *args[2:])
         if (rule.only_dtypes and not _in_dtypes(rule, args)) or _left_as_written(rule, args, kwargs):
             return sp.call(*args, **kwargs)
-        return _fresh_guard(rule, sp, _DEFAULTS)(*args, **kwargs)
+        return _fresh_guard(rule, sp, _DEFAULTS, self.guards.get(rule.name))(*args, **kwargs)
 
 
 _DEFAULTS = Config()

@@ -90,11 +90,11 @@ def make_guard(rule: Rule, sp: Spelling, consts=None):
     return guard
 
 
-def guard_fn(rule: Rule, sp: Spelling, consts=None):
+def guard_fn(rule: Rule, sp: Spelling, consts=None, impl=None):
     """``make_guard`` without its cache and names: what a region dynamo traces builds afresh
     (a cache keyed on rules, or a function's ``__name__`` set, is Python state dynamo cannot
-    trace)."""
-    impl = rule.guard
+    trace). ``impl``: another guard for the rule's calls (a composite's own, for its insides)."""
+    impl = impl or rule.guard
     consts = consts or _no_consts
     if sp.kind == "module":
 

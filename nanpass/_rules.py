@@ -295,9 +295,9 @@ RULES: tuple[Rule, ...] = (
         "multi_head_attention", g.attention,
         reason="a query whose every key is masked gives NaN (need_weights=True path); in "
         "float16, q @ k^T past 65504 is inf and its softmax NaN (pytorch#60939)",
-        action="need_weights=True: -inf / True mask entries become finfo.min/4, so fully masked "
-        "rows stay finite; torch's own code runs with each call inside it guarded (float16 "
-        "projections and scores saturated): every finite result keeps its bits",
+        action="torch's own code runs with each call inside it guarded: a fully masked row's "
+        "softmax becomes uniform; in float16 the projections saturate and an overflowed score "
+        "keeps its order (+inf to max, -inf kept); every finite result keeps its bits",
         functions=("F.multi_head_attention_forward",), modules=("nn.MultiheadAttention",),
         sample=Sample(_mha(masked=True), _mha(masked=False), ctor={"nn.MultiheadAttention": (8, 2)},
                dtypes=(torch.bfloat16, torch.float32, torch.float64)),

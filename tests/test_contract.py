@@ -338,6 +338,94 @@ def test_mha_fully_padded(dtype, need_weights):
     assert torch.equal(bits(outs[0][:, 1]), bits(ref[:, 1]))
 
 
+def _identity_attention():
+    """One head of width 2 whose projections are the identity: scores are q . k exactly."""
+    m = torch.nn.MultiheadAttention(2, 1, bias=False).half()
+    with torch.no_grad():
+        m.in_proj_weight.copy_(torch.eye(2).repeat(3, 1))
+        m.out_proj.weight.copy_(torch.eye(2))
+    return m
+
+
+@pytest.mark.parametrize("case", ["score -inf beside -5000", "padded key scoring 21213"])
+def test_float16_attention_keeps_the_originals_weights(case):
+    """Inside nn.MultiheadAttention a float16 score that overflows to -inf keeps weight 0 (a
+    saturated -4094 would beat a finite -5000), and a padded key keeps weight 0 whatever its
+    score (a finite stand-in for its -inf mask would lose to a score past it)."""
+    import nanpass
+
+    m = _identity_attention()
+    v = torch.tensor([[[1.0, 1.0]], [[-5.0, -5.0]]]).half()
+    if case.startswith("score"):
+        q, k, pad = torch.tensor([[[-100.0, 0.0]]]), torch.tensor([[[70.7, 0.0]], [[990.0, 0.0]]]), None
+    else:
+        q, k, pad = torch.tensor([[[150.0, 0.0]]]), torch.tensor([[[0.0, 0.0]], [[200.0, 0.0]]]), torch.tensor([[False, True]])
+    q, k = q.half(), k.half()
+    want = m(q, k, v, key_padding_mask=pad)
+    got = nanpass.harden(m)(q, k, v, key_padding_mask=pad)
+    assert torch.equal(want[1], torch.tensor([[[1.0, 0.0]]]).half())  # the plain model is finite
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_float16_attention_with_finfo_min_masks_keeps_every_bit(need_weights):
+    """A Hugging Face style additive mask (finfo.min, not -inf) over a whole row: the plain
+    model is finite, and so every bit of outputs, weights and gradients must stay."""
+    import nanpass
+
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(8, 2).half()
+    x = (torch.randn(4, 3, 8) * 4).half().requires_grad_()
+    mask = torch.zeros(4, 4, dtype=torch.half)
+    mask[0, :] = torch.finfo(torch.half).min
+    want = m(x, x, x, attn_mask=mask, need_weights=need_weights)
+    got = nanpass.harden(m)(x, x, x, attn_mask=mask, need_weights=need_weights)
+    assert torch.isfinite(want[0]).all()
+    assert torch.equal(got[0], want[0]) and (not need_weights or torch.equal(got[1], want[1]))
+    params = [x, *m.parameters()]
+    for a, b in zip(torch.autograd.grad(got[0].float().sum(), params),
+                    torch.autograd.grad(want[0].float().sum(), params), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_attention_sees_a_later_patch_of_torch_functional(monkeypatch):
+    """The attention guard runs torch's own code with torch.nn.functional's globals looked up
+    live: a patch made after import (context parallel wraps F.scaled_dot_product_attention)
+    reaches the hardened model as it reaches the plain one."""
+    import torch.nn.functional as F
+
+    import nanpass
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def wrapped(*a, **k):
+        calls.append(1)
+        return sdpa(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", wrapped)
+    m = torch.nn.MultiheadAttention(8, 2)
+    x = torch.randn(4, 3, 8)
+    nanpass.harden(m)(x, x, x, need_weights=False)
+    assert calls == [1]
+
+
+def test_nested_encoder_fast_path_runs_hardened():
+    """eval + no_grad with a padding mask: TransformerEncoder drops the padding into a nested
+    tensor, which its fast path's guard must take (nan_to_num has no nested kernel)."""
+    import nanpass
+
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2).eval()
+    x = torch.randn(3, 4, 8)
+    pad = torch.zeros(3, 4, dtype=torch.bool)
+    pad[1, -1] = True
+    with torch.no_grad():
+        want = enc(x, src_key_padding_mask=pad)
+        got = nanpass.harden(enc)(x, src_key_padding_mask=pad)
+    assert torch.equal(got, want)
+
+
 def _encoder(dtype):
     torch.manual_seed(0)
     return torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).to(dtype)
