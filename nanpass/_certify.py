@@ -356,6 +356,10 @@ class Analysis(TorchDispatchMode):
                 decision = loc.get("decision")
                 if loc.get("why") is None and decision is not None and decision[0] == "guarded":
                     guard = loc["rule"].name
+            elif self.hardened and guard is None and name == _INTERCEPT and code.co_name == "__torch_function__":
+                inner = f.f_locals.get("guarded")  # CallsGuarded: a call inside a composite's guard
+                if inner is not None:
+                    guard = inner.name
             if not name.startswith(_NANPASS_DIR):
                 if src is None and not name.startswith(_TORCH_DIR) and not name.startswith("<"):
                     src = f

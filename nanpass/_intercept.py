@@ -338,6 +338,7 @@ class CallsGuarded(TorchFunctionMode):
             args = (args[1], args[0], *args[2:])
         if (rule.only_dtypes and not _in_dtypes(rule, args)) or _left_as_written(rule, args, kwargs):
             return sp.call(*args, **kwargs)
+        guarded = rule  # noqa: F841 - certify reads it, as it reads _run_for's decision
         return _fresh_guard(rule, sp, _DEFAULTS, self.guards.get(rule.name))(*args, **kwargs)
 
 
