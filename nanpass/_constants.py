@@ -95,7 +95,6 @@ class Bounds:
     above_minus_one: float  # smallest value > -1: log1p and atanh stay finite above it
     exp_hi: float  # largest x with exp(x) finite: the original's own value up to there
     exp2_hi: float
-    mask_low: float  # a finite "minus infinity" for attention masks; two of them still add up finite
 
 
 HEADROOM = 16  # max / sat
@@ -121,7 +120,6 @@ def bounds(dtype: torch.dtype) -> Bounds:
         above_minus_one=float(_step(-one, 0.0).item()),
         exp_hi=exp_bound(torch.exp, math.log(fi.max)),
         exp2_hi=exp_bound(torch.exp2, math.log2(fi.max)),
-        mask_low=float(_t(fi.min / 4, dtype).item()),
     )
 
 

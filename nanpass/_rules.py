@@ -300,7 +300,7 @@ RULES: tuple[Rule, ...] = (
         "keeps its order (+inf to max, -inf kept); every finite result keeps its bits",
         functions=("F.multi_head_attention_forward",), modules=("nn.MultiheadAttention",),
         sample=Sample(_mha(masked=True), _mha(masked=False), ctor={"nn.MultiheadAttention": (8, 2)},
-               dtypes=(torch.bfloat16, torch.float32, torch.float64)),
+               dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64)),
     ),
     Rule(
         "mha_fast_path", g.finite_result,
