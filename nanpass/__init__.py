@@ -7,6 +7,7 @@ from ._certify import Verdict as Verdict
 from ._certify import certify as certify
 from ._check import NonFiniteError as NonFiniteError
 from ._check import NonFiniteWarning as NonFiniteWarning
+from ._compat import CompatError as CompatError
 from ._config import Config as Config
 from ._errors import CaptureError as CaptureError
 from ._errors import ConfigError as ConfigError

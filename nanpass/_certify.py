@@ -27,9 +27,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _intervals as iv
+from ._compat import TorchDispatchMode, op_arguments, op_overload_name, require
 from ._errors import ConfigError, NanpassTypeError
 from ._intervals import F64, INF, Box, top_like
 from ._rules import BY_NAME
@@ -280,7 +280,7 @@ def _storage(t: Tensor):
 
 def _results(func, args, out) -> list[Tensor]:
     """The tensors an op writes: its mutated operands, else its outputs."""
-    mutated = [a for a, s in zip(args, func._schema.arguments, strict=False)
+    mutated = [a for a, s in zip(args, op_arguments(func), strict=False)
                if s.alias_info is not None and s.alias_info.is_write and isinstance(a, Tensor)]
     return mutated[:1] if mutated else _tensors(out)
 
@@ -416,8 +416,7 @@ class Analysis(TorchDispatchMode):
 
     def step(self, func, args, kwargs, out) -> None:
         name = func.overloadpacket.__name__
-        schema = func._schema
-        mutated = [a for a, s in zip(args, schema.arguments, strict=False)
+        mutated = [a for a, s in zip(args, op_arguments(func), strict=False)
                    if s.alias_info is not None and s.alias_info.is_write and isinstance(a, Tensor)]
         base = name.rstrip("_") if (mutated and name.endswith("_") and not name.startswith("__")) else name
         in_tensors = [a for a in _tensors(list(args) + list(kwargs.values()))]
@@ -551,7 +550,7 @@ class Analysis(TorchDispatchMode):
         outs = iv._outs(out)
         if base in iv.STRUCTURAL or (base in iv.INDEXED and self._points(args, kwargs, base)):
             f = getattr(torch.ops.aten, base, None)
-            f = func if f is None or base == name else getattr(f, func._overloadname, f)
+            f = func if f is None or base == name else getattr(f, op_overload_name(func), f)
             index_ids = set()
             for pos in iv.INDEXED.get(base, ()):
                 idx = args[pos] if len(args) > pos else None
@@ -807,6 +806,8 @@ def certify(model: torch.nn.Module, *example_inputs, ranges=None) -> Certificate
     may be tensors that broadcast to the input (a range per element)."""
     from ._harden import Hardened
 
+    require("dispatch_mode", "nanpass.certify")
+    require("op_schema", "nanpass.certify")
     if not isinstance(model, torch.nn.Module):
         raise NanpassTypeError(f"nanpass: certify takes an nn.Module, got {type(model).__name__}")
     specs = parse_ranges(ranges, example_inputs)

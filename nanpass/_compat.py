@@ -1,26 +1,50 @@
-"""What nanpass needs from torch beyond its public API, in one place. Each patch changes
-nothing unless a hardened call is running.
+"""Everything nanpass needs from torch beyond its public API, in one place: each use is a named
+``Entry`` that says what it reads from torch, which releases CI checks it on, and how its
+presence is detected (by looking for the object, not by reading the version string).
+``tests/test_compat.py`` lists the entries and checks each on the running torch.
 
-- ``torch.utils.checkpoint`` recomputes a region in backward, outside the hardened call, so the
-  recomputation would run unguarded (and differ from the forward where a guard fired). Both
-  implementations look their worker up at call time, so wrapping it here makes the region's
-  function re-enter the hardened call's guards on recompute.
+Supported: the current torch release and the two before it (``TESTED``). On another torch
+``import nanpass`` still works and warns once, naming that range; an entry whose object is
+missing there is recorded, and the feature that needs it raises ``CompatError`` naming it
+(``require``), never running unguarded in silence. Each patch changes nothing unless a
+hardened call is running.
+
+- ``checkpoint_recompute``: ``torch.utils.checkpoint`` recomputes a region in backward, outside
+  the hardened call, so the recomputation would run unguarded (and differ from the forward
+  where a guard fired). Both implementations look their worker up at call time, so wrapping
+  it here makes the region's function re-enter the hardened call's guards on recompute.
+- ``fast_path_check``: ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` take their
+  fused inference fast path only when ``torch.overrides.has_torch_function(args)`` is False,
+  which any active TorchFunctionMode makes True: hardened, they would run the slow path and
+  round differently. Asked while nanpass's own mode is the innermost one, the question is
+  answered as without it, so the model takes the path it takes plain, and the fast-path
+  kernels (``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``)
+  reach their rules.
+- ``dynamo_overridable``: two tables dynamo keeps of its own (see ``_teach_dynamo``).
 - ``dynamo_cache_entries``: dynamo's compiled entries of a code object, so that
   ``nanpass.report(compiled)`` finds every graph of a model, after graph breaks too.
 - ``inner_compiler``: the aot_eager and inductor compilers the backend hands its graph to.
 - ``fake_mode``: a ``FakeTensorMode`` (shape checks run the model on fake tensors), quiet.
-- ``sym_free_symbols`` / ``sym_constant``: what a symbolic dim (``SymInt``) is built from.
-- ``foreach_norm`` / ``foreach_mul_``: the fused per-list kernels StepGuard and check mode use.
+- ``sym_expr``: what a symbolic dim (``SymInt``) is built from.
+- ``foreach``: the fused per-list kernels StepGuard and check mode use.
 - ``function_apply``: ``autograd.Function.apply`` without its Python wrapper, which binds
   every call's arguments with ``inspect.signature``: 68 us per apply against 20 us on CPU,
   and a guard applies one per operand.
-- ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` take their fused inference
-  fast path only when ``torch.overrides.has_torch_function(args)`` is False, which any active
-  TorchFunctionMode makes True: hardened, they would run the slow path and round differently.
-  Asked while nanpass's own mode is the innermost one, the question is answered as without it,
-  so the model takes the path it takes plain, and the fast-path kernels
-  (``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``) reach
-  their rules.
+- ``functorch_active``: whether a ``torch.func`` transform is running (no ``out=`` there).
+- ``entered``: a torch composite's own code past its torch-function dispatch.
+- ``removed_ops``: torch keeps a raising stub for each op it removed (``torch.qr``,
+  ``torch.cholesky`` since 2.14): a spelling bound to one is no spelling.
+- ``function_mode_stack``: the active TorchFunctionModes, innermost last.
+- ``dispatch_mode`` / ``pytree`` / ``op_schema``: what certify's interval analysis reads of each
+  aten call (the mode class, flattening of nested outputs, the schema's write annotations).
+- ``grad_scaler``: a GradScaler's scale and growth tracker as device tensors (its
+  ``state_dict()`` would read the scale back: a host sync at every SpikeGuard snapshot), and
+  the per-optimizer unscale record a rewind forgets.
+- ``dynamo_source``: aot_autograd asks each placeholder of a dynamo graph for its source.
+- ``clamp_grad_at_bounds``: not an internal but a public behaviour that changed: up to 2.13
+  ``clamp``'s gradient is 1 at a bound, from 2.14 it is 0 (0.5 with tensor bounds). A guard's
+  clamp must pass the gradient on the closed safe domain, so the guard takes ``clamp`` where
+  it does and a ``where`` form where it does not (``clip`` in ``_guards``).
 """
 
 from __future__ import annotations
@@ -31,12 +55,85 @@ import functools
 import logging
 import sys
 import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint as _cp
+from torch import Tensor
+
+from ._errors import NanpassError
+
+# the releases CI runs the fast tier on (the current one and the two before it); pyproject's
+# torch range is this one
+TESTED = ("2.13", "2.14", "2.15")
+
+
+class CompatError(NanpassError, RuntimeError):
+    """A feature needs a torch internal the running torch lacks: the message names it."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One use of a torch internal: ``needs`` names what it reads, ``probe()`` returns the
+    object(s) it uses on the running torch (raising ``AttributeError`` / ``ImportError``
+    where they are missing)."""
+
+    name: str
+    needs: str
+    probe: Callable[[], object]
+    # probed at import; False: the probe imports dynamo or inductor (seconds), so it runs
+    # where the feature is first used, and in the tests
+    at_import: bool = True
+    tested: tuple[str, ...] = TESTED
+
+
+ENTRIES: dict[str, Entry] = {}
+# entries whose probe failed on the running torch, with the reason
+MISSING: dict[str, str] = {}
+
+
+def entry(name: str, needs: str, at_import: bool = True):
+    """Register ``probe`` as the entry ``name``."""
+
+    def register(probe):
+        ENTRIES[name] = Entry(name, needs, probe, at_import)
+        return probe
+
+    return register
+
+
+def require(name: str, feature: str) -> None:
+    """Raise ``CompatError`` if entry ``name`` is missing on the running torch."""
+    if name not in MISSING and not ENTRIES[name].at_import:
+        try:
+            ENTRIES[name].probe()
+        except (ImportError, AttributeError) as err:
+            MISSING[name] = f"{type(err).__name__}: {err}"
+    if name in MISSING:
+        e = ENTRIES[name]
+        raise CompatError(
+            f"nanpass: {feature} needs {e.needs}, which torch {torch.__version__} lacks "
+            f"({MISSING[name]}); nanpass is tested on torch {', '.join(TESTED)}")
+
+
+def torch_release(version: str = torch.__version__) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def _warn_untested() -> None:
+    tested = [torch_release(v) for v in TESTED]
+    if not tested[0] <= torch_release() <= tested[-1]:
+        warnings.warn(
+            f"nanpass: torch {torch.__version__} is untested; nanpass is tested on torch "
+            f"{TESTED[0]} to {TESTED[-1]} (a feature whose torch internal is missing raises "
+            f"nanpass.CompatError naming it)", UserWarning, stacklevel=3)
 
 
 # what the layer above registers (``on_guarded_call``): this module imports nothing of nanpass
+# but its errors
 _HOOKS: dict = {"bind": None, "guarding": None}
 # C functions a TorchFunctionMode sees in eager that dynamo would not offer to a traced mode
 _OFFERED: set = set()
@@ -61,17 +158,31 @@ def _bind_active(fn):
     return fn if bind is None else bind(fn)
 
 
+# -- checkpoint_recompute -----------------------------------------------------------------
+
+
+@entry("checkpoint_recompute",
+       "torch.utils.checkpoint._checkpoint_without_reentrant_generator_impl (2.14+; "
+       "_checkpoint_without_reentrant_generator before) and CheckpointFunction.forward")
+def _checkpoint_workers():
+    # the worker checkpoint() calls: the _impl where torch has it (its older name is a shim
+    # that calls the _impl, so wrapping both would bind twice)
+    name = ("_checkpoint_without_reentrant_generator_impl"
+            if hasattr(_cp, "_checkpoint_without_reentrant_generator_impl")
+            else "_checkpoint_without_reentrant_generator")
+    return name, getattr(_cp, name), _cp.CheckpointFunction.forward
+
+
 def _patch_checkpoint() -> None:
     if getattr(_cp, "_nanpass_patched", False):
         return
-    without = _cp._checkpoint_without_reentrant_generator
+    name, without, reentrant = _checkpoint_workers()
 
     @functools.wraps(without)
     def without_reentrant(fn, *args, **kwargs):
         return without(_bind_active(fn), *args, **kwargs)
 
-    _cp._checkpoint_without_reentrant_generator = without_reentrant
-    reentrant = _cp.CheckpointFunction.forward
+    setattr(_cp, name, without_reentrant)
 
     @functools.wraps(reentrant)
     def forward(ctx, run_function, preserve_rng_state, *args):
@@ -81,17 +192,27 @@ def _patch_checkpoint() -> None:
     _cp._nanpass_patched = True
 
 
+# -- fast_path_check ----------------------------------------------------------------------
+
+
+@entry("fast_path_check", "torch.overrides.has_torch_function and _pop_mode_temporarily")
+def _fast_path_hooks():
+    import torch.overrides as ov
+
+    return ov.has_torch_function, ov._pop_mode_temporarily
+
+
 def _patch_fast_path_check() -> None:
     import torch.overrides as ov
 
     if getattr(ov, "_nanpass_patched", False):
         return
-    original = ov.has_torch_function
+    original, pop_mode = _fast_path_hooks()
 
     def has_torch_function(args):
         guarding = _HOOKS["guarding"]
         if guarding is not None and guarding():
-            with ov._pop_mode_temporarily():
+            with pop_mode():
                 return original(args)
         return original(args)
 
@@ -101,16 +222,35 @@ def _patch_fast_path_check() -> None:
     _after_import("torch._dynamo.variables.torch", _teach_dynamo)
 
 
+@entry("dynamo_overridable",
+       "torch._dynamo.variables.torch.TorchInGraphFunctionVariable._get_handlers and "
+       "get_overridable_functions", at_import=False)
+def _dynamo_tables():
+    import torch._dynamo.variables.torch as module
+
+    return module.TorchInGraphFunctionVariable._get_handlers, module.get_overridable_functions
+
+
 def _teach_dynamo(module) -> None:
-    """Two things dynamo decides from tables of its own. It answers ``has_torch_function`` itself, from a table keyed by the function object
-    it found in ``torch.overrides`` when it built the table. Modules that imported the C
-    function by name (``torch._tensor``'s reflected operators: ``1 - x``) call the other object:
-    without both keys, dynamo graph-breaks there whenever a TorchFunctionMode is traced. And
-    it offers a traced mode only the calls it lists as overridable (``offer_to_traced_modes``)."""
+    """Two things dynamo decides from tables of its own. It answers ``has_torch_function``
+    itself, from a table keyed by the function object it found in ``torch.overrides`` when it
+    built the table. Modules that imported the C function by name (``torch._tensor``'s
+    reflected operators: ``1 - x``) call the other object: without both keys, dynamo
+    graph-breaks there whenever a TorchFunctionMode is traced. And it offers a traced mode
+    only the calls it lists as overridable (``offer_to_traced_modes``)."""
     import torch.overrides as ov
 
+    try:
+        build, listed = module.TorchInGraphFunctionVariable._get_handlers, module.get_overridable_functions
+    except AttributeError as e:  # dynamo is being imported: warn, never break torch.compile
+        MISSING["dynamo_overridable"] = f"AttributeError: {e}"
+        warnings.warn(
+            f"nanpass: torch {torch.__version__} lacks {ENTRIES['dynamo_overridable'].needs}: "
+            "torch.compile of a hardened model may graph-break at reflected operators and run "
+            "torch's private spellings (torch._weight_norm) unguarded; nanpass is tested on "
+            f"torch {', '.join(TESTED)}", UserWarning, stacklevel=2)
+        return
     cls = module.TorchInGraphFunctionVariable
-    build = cls._get_handlers
 
     def handlers():
         table = build()
@@ -120,8 +260,6 @@ def _teach_dynamo(module) -> None:
         return table
 
     cls._get_handlers = staticmethod(handlers)
-
-    listed = module.get_overridable_functions
 
     @functools.cache
     def overridable():
@@ -135,7 +273,6 @@ def _after_import(name: str, patch) -> None:
     lazily by the first ``torch.compile``, and importing it here would cost seconds."""
     import importlib.abc
     import importlib.util
-    import sys
 
     if name in sys.modules:
         patch(sys.modules[name])
@@ -161,37 +298,69 @@ def _after_import(name: str, patch) -> None:
     sys.meta_path.insert(0, Finder())
 
 
-def dynamo_cache_entries(code) -> list:
-    """Dynamo's cache entries for a code object (each has ``.code``, the transformed code)."""
+# -- compiled paths -----------------------------------------------------------------------
+
+
+@entry("dynamo_cache_entries", "torch._dynamo.eval_frame._debug_get_cache_entry_list",
+       at_import=False)
+def _cache_entry_list():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    return _debug_get_cache_entry_list(code)
+    return _debug_get_cache_entry_list
+
+
+def dynamo_cache_entries(code) -> list:
+    """Dynamo's cache entries for a code object (each has ``.code``, the transformed code)."""
+    require("dynamo_cache_entries", "nanpass.report of a compiled model")
+    return _cache_entry_list()(code)
+
+
+@entry("inner_compiler",
+       "torch._dynamo.backends.debugging.aot_eager and torch._inductor.compile_fx.compile_fx",
+       at_import=False)
+def _inner_compilers():
+    from torch._dynamo.backends.debugging import aot_eager
+    from torch._inductor.compile_fx import compile_fx
+
+    return {"aot_eager": aot_eager, "inductor": compile_fx}
 
 
 def inner_compiler(name: str):
     """``aot_eager`` or inductor's ``compile_fx``: ``(gm, example_inputs) -> callable``."""
-    if name == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
+    require("inner_compiler", "the nanpass backend")
+    compilers = _inner_compilers()
+    return compilers["aot_eager" if name == "aot_eager" else "inductor"]
 
-        return aot_eager
-    from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx
+@entry("fake_mode", "torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)",
+       at_import=False)
+def _fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
 
 
 @contextlib.contextmanager
 def fake_mode():
     """A FakeTensorMode that accepts real tensors, with its per-kernel error log silenced
     (a shape error is what the caller expects, and it raises its own)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    require("fake_mode", "nanpass.check_shapes")
+    mode = _fake_tensor_mode()
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
-        yield FakeTensorMode(allow_non_fake_inputs=True)
+        yield mode(allow_non_fake_inputs=True)
     finally:
         quiet.setLevel(level)
+
+
+@entry("sym_expr", "torch.fx.experimental.sym_node.SymNode.expr (a SymInt's sympy expression)",
+       at_import=False)
+def _sym_expr():
+    from torch.fx.experimental.sym_node import SymNode
+
+    return SymNode.expr
 
 
 def sym_free_symbols(d) -> set:
@@ -203,11 +372,53 @@ def sym_constant(d) -> int:
     return int(d.node.expr)
 
 
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+# -- eager hot path -----------------------------------------------------------------------
+
+
+@entry("function_apply",
+       "torch._C._FunctionBase.apply, torch._C._are_functorch_transforms_active and "
+       "torch._C._functorch.is_functorch_wrapped_tensor")
+def _apply_parts():
+    return (torch._C._FunctionBase.__dict__["apply"], torch._C._are_functorch_transforms_active,
+            torch._C._functorch.is_functorch_wrapped_tensor)
+
+
+def function_apply(cls):
+    """``x -> cls.apply(x)`` for one tensor: the C apply (which runs forward and setup_context
+    itself) unless a functorch transform is active or ``x`` is a functorch wrapper, where the
+    Python wrapper's dispatch is needed. Where torch lacks the C apply, the Python one."""
+    slow = cls.apply
+    if "function_apply" in MISSING:
+        return slow
+    c_apply, active, wrapped = _apply_parts()
+    fast = c_apply.__get__(None, cls)
+
+    def apply(x):
+        if active() or wrapped(x):
+            return slow(x)
+        return fast(x)
+
+    return apply
+
+
+@entry("functorch_active", "torch._C._are_functorch_transforms_active")
+def _functorch_active():
+    return torch._C._are_functorch_transforms_active
+
+
+def functorch_active() -> bool:
+    return _functorch_active()()
 
 
 def _no_torch_function(relevant_args) -> bool:
     return False
+
+
+@entry("entered", "a torch composite's module global has_torch_function, read as LOAD_GLOBAL")
+def _entered_probe():
+    import torch.nn.functional as F
+
+    return entered(F.multi_head_attention_forward)
 
 
 def entered(fn, **names):
@@ -224,28 +435,16 @@ def entered(fn, **names):
         setattr(module, aliases[name], value)
     for ins in dis.get_instructions(fn):  # co_names also names attributes: only globals may move
         if ins.argval in aliases and ins.opname != "LOAD_GLOBAL":
-            raise RuntimeError(f"nanpass: {fn.__qualname__} reads {ins.argval} as {ins.opname}")
+            raise CompatError(f"nanpass: {fn.__qualname__} reads {ins.argval} as {ins.opname}")
     code = fn.__code__.replace(co_names=tuple(aliases.get(n, n) for n in fn.__code__.co_names))
     body = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     body.__kwdefaults__ = fn.__kwdefaults__
     return body
 
 
-def function_apply(cls):
-    """``x -> cls.apply(x)`` for one tensor: the C apply (which runs forward and setup_context
-    itself) unless a functorch transform is active or ``x`` is a functorch wrapper, where the
-    Python wrapper's dispatch is needed."""
-    fast = _C_APPLY.__get__(None, cls)
-    slow = cls.apply
-    active = torch._C._are_functorch_transforms_active
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-
-    def apply(x):
-        if active() or wrapped(x):
-            return slow(x)
-        return fast(x)
-
-    return apply
+@entry("foreach", "torch._foreach_norm and torch._foreach_mul_")
+def _foreach():
+    return torch._foreach_norm, torch._foreach_mul_
 
 
 def foreach_norm(tensors, ord: float = 2.0):
@@ -256,5 +455,170 @@ def foreach_mul_(tensors, scalar) -> None:
     torch._foreach_mul_(tensors, scalar)
 
 
-_patch_checkpoint()
-_patch_fast_path_check()
+@entry("function_mode_stack", "torch.overrides._get_current_function_mode_stack")
+def _mode_stack():
+    import torch.overrides as ov
+
+    return ov._get_current_function_mode_stack
+
+
+def function_mode_stack() -> list:
+    return _mode_stack()()
+
+
+@entry("tensor_base", "Tensor._base (the tensor a view was taken of)")
+def _tensor_base():
+    return Tensor._base
+
+
+def view_base(t):
+    return t._base
+
+
+# -- certify, SpikeGuard, the compiled check --------------------------------------------
+
+
+@entry("dispatch_mode", "torch.utils._python_dispatch.TorchDispatchMode")
+def _dispatch_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+try:  # a base class at import: where torch lacks it, certify raises CompatError (require)
+    TorchDispatchMode = _dispatch_mode()
+except ImportError:
+    TorchDispatchMode = object
+
+
+@entry("pytree", "torch.utils._pytree.tree_flatten and tree_unflatten")
+def _pytree():
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    return tree_flatten, tree_unflatten
+
+
+def tree_flatten(tree):
+    return _pytree()[0](tree)
+
+
+def tree_unflatten(leaves, spec):
+    return _pytree()[1](leaves, spec)
+
+
+@entry("op_schema", "OpOverload._schema (arguments' alias_info) and ._overloadname")
+def _op_schema():
+    op = torch.ops.aten.add_.Tensor
+    return op._schema.arguments[0].alias_info.is_write, op._overloadname
+
+
+def op_arguments(func):
+    """An aten overload's schema arguments (``alias_info.is_write`` marks a mutated one)."""
+    return func._schema.arguments
+
+
+def op_overload_name(func) -> str:
+    return func._overloadname
+
+
+@entry("grad_scaler",
+       "GradScaler._scale, ._growth_tracker, ._lazy_init_scale_growth_tracker, "
+       "._per_optimizer_states and torch.amp.grad_scaler._refresh_per_optimizer_state")
+def _grad_scaler():
+    from torch.amp.grad_scaler import GradScaler, _refresh_per_optimizer_state
+
+    scaler = GradScaler("cpu")
+    return (scaler._scale, scaler._growth_tracker, scaler._per_optimizer_states,
+            GradScaler._lazy_init_scale_growth_tracker, _refresh_per_optimizer_state)
+
+
+def scaler_state(scaler) -> dict | None:
+    """The scale and growth tracker as device tensors (None before the first scale)."""
+    if scaler._scale is None:
+        return None
+    return {"scale": scaler._scale.clone(), "growth_tracker": scaler._growth_tracker.clone()}
+
+
+def set_scaler_state(scaler, state: dict) -> None:
+    if scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(state["scale"].device)
+    scaler._scale.copy_(state["scale"])
+    scaler._growth_tracker.copy_(state["growth_tracker"])
+
+
+def forget_unscale(scaler) -> None:
+    """The scaler forgets which optimizers it unscaled this step (a re-run or a rewind)."""
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+@entry("dynamo_source", "aot_autograd reading fx.Node._dynamo_source of a dynamo graph's inputs",
+       at_import=False)
+def _dynamo_source_probe():
+    import inspect
+
+    from torch._functorch._aot_autograd import frontend_utils
+
+    if "_dynamo_source" not in inspect.getsource(frontend_utils):
+        raise AttributeError("aot_autograd no longer reads _dynamo_source")
+    return frontend_utils
+
+
+def no_dynamo_source(node) -> None:
+    """A placeholder nanpass adds to a dynamo graph has no source (aot_autograd asks each)."""
+    node._dynamo_source = None
+
+
+# -- what changed in public behaviour -----------------------------------------------------
+
+
+@entry("removed_ops", "torch._linalg_utils, where torch keeps a raising stub of each removed op")
+def _removed_module():
+    return "torch._linalg_utils"
+
+
+def removed_op(obj) -> bool:
+    """Whether ``obj`` is torch's stub of an op it removed (calling it raises "...is now
+    removed"): ``torch.qr`` and ``torch.cholesky`` from 2.14, ``torch.solve`` long before; or
+    a Tensor method that only calls one (``Tensor.qr`` from 2.14)."""
+    stubs = _removed_module()
+    if getattr(obj, "__module__", None) == stubs:
+        return not isinstance(obj, type)
+    code = getattr(obj, "__code__", None)
+    leaf = stubs.rpartition(".")[2]
+    return (code is not None and any(n.rpartition(".")[2] == leaf for n in code.co_names)
+            and removed_op(getattr(sys.modules.get(stubs), obj.__name__, None)))
+
+
+@entry("clamp_grad_at_bounds", "torch.clamp's gradient at a bound (public behaviour, probed)")
+def _clamp_grad_at_bounds() -> bool:
+    """Whether ``clamp``'s gradient is 1 at its bounds (torch up to 2.13) rather than 0."""
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    (g,) = torch.autograd.grad(torch.clamp(x, 1.0, 2.0).sum(), x)
+    return bool((g == 1).all())
+
+
+# a constant, read by guards that dynamo traces
+CLAMP_GRAD_AT_BOUNDS: bool = _clamp_grad_at_bounds()
+
+
+def _install() -> None:
+    """Probe every entry once and apply the patches whose hooks exist."""
+    for name, e in ENTRIES.items():
+        if not e.at_import:
+            continue
+        try:
+            e.probe()
+        except Exception as err:  # noqa: BLE001 - recorded; the feature raises on use
+            MISSING[name] = f"{type(err).__name__}: {err}"
+    if "checkpoint_recompute" not in MISSING:
+        _patch_checkpoint()
+    if "fast_path_check" not in MISSING:
+        _patch_fast_path_check()
+    _warn_untested()
+
+
+_install()

@@ -129,7 +129,7 @@ def guards_markdown() -> str:
             names = ", ".join(f"`{n}`" for n in r.sample.inlined)
             out.append(f"- **Under `torch.compile`:** dynamo traces into {names}; the ops inside meet "
                        "their own rules.")
-        spellings = ", ".join(f"`{sp.name}`" for sp in r.spellings())
+        spellings = ", ".join(f"`{sp.name}`" for sp in r.spellings(removed=True))
         out.append(f"- **Spellings:** {spellings}.\n")
         table = _constants(r)
         if table:
@@ -138,7 +138,7 @@ def guards_markdown() -> str:
     if left:
         out.append("## Recognised and left alone\n")
         for r in left:
-            spellings = ", ".join(f"`{sp.name}`" for sp in r.spellings())
+            spellings = ", ".join(f"`{sp.name}`" for sp in r.spellings(removed=True))
             out.append(f"- **{r.name}** ({spellings}): {r.reason}.")
         out.append("")
     out.append("## Exact stable-form rewrites\n")

@@ -5,8 +5,9 @@ Every guard is ``impl(fn, args, kwargs, consts, fence)``: ``fn`` is the op as th
 order and keywords pass through untouched and the same kernel runs. A guard only changes the
 operands outside the op's safe domain, with three building blocks:
 
-* ``torch.clamp`` into a closed domain where the op and its derivative are finite: identity
-  inside (value and gradient bitwise), zero gradient outside;
+* ``clip`` (``torch.clamp``'s value) into a closed domain where the op and its derivative are
+  finite: identity inside (value and gradient bitwise, the bounds included), zero gradient
+  outside;
 * ``finite``: +-inf to +-max and NaN to 0, identity on finite values; its gradient passes
   straight through (nothing saved, no backward kernel);
 * ``fence``: identity forward; in backward, a gradient that is not finite becomes 0 unless
@@ -31,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._compat import entered, function_apply
+from ._compat import CLAMP_GRAD_AT_BOUNDS, entered, function_apply, functorch_active, view_base
 from ._constants import PowDomain, bounds, memo, pow_domain
 
 Tensor = torch.Tensor
@@ -68,7 +69,7 @@ def _fence_grad(grad: Tensor, token_grad: Tensor) -> Tensor:
     if torch.compiler.is_compiling():  # inductor fuses it; its CPU code scalarises isfinite
         return torch.where((grad.abs() <= bounds(grad.dtype).max) | (token_grad != 0), grad, 0.0)
     zeroed = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
-    if grad.requires_grad or torch._C._are_functorch_transforms_active():  # no out= there
+    if grad.requires_grad or functorch_active():  # no out= there
         return torch.where(token_grad == 0, zeroed, grad)
     return torch.where(token_grad == 0, zeroed, grad, out=zeroed)
 
@@ -226,6 +227,21 @@ def _unary(args, kwargs):
 # -- elementwise ops with a closed safe domain ----------------------------------------------
 
 
+def clip(x: Tensor, lo: float | None, hi: float | None) -> Tensor:
+    """``torch.clamp(x, lo, hi)``, with gradient 1 on the closed ``[lo, hi]``: the original's
+    gradient at a bound (log at max, exp at log(max)). From torch 2.14 clamp's own gradient
+    there is 0, so where a gradient is taken the clip is written with ``where`` (NaN stays
+    NaN, as in clamp)."""
+    if not x.requires_grad or CLAMP_GRAD_AT_BOUNDS:
+        return torch.clamp(x, lo, hi)
+    if lo is not None:
+        x = torch.where(x < lo, lo, x)
+    if hi is not None:
+        x = torch.where(x > hi, hi, x)
+    return x
+
+
+
 def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
             singular: Callable | None = None) -> Callable:
     """fn(clamp(x, lo, hi)) with a finite-gradient fence between clamp and fn (the exp family,
@@ -249,9 +265,9 @@ def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
         low, top = (c[lo] if lo else None), (c[hi] if hi else None)
         if open_at is not None:
             xs = _raised(x, low, open_at)
-            xs = xs if top is None else torch.clamp(xs, None, top)
+            xs = xs if top is None else clip(xs, None, top)
         else:
-            xs = torch.clamp(x, low, top)
+            xs = clip(x, low, top)
         _count(lambda: xs != x)
         if singular is None:
             return fn(fence(xs), *rest, **kw)
@@ -270,7 +286,7 @@ def _raised(x: Tensor, low: float, open_at: float = 0.0) -> Tensor:
     a NaN stays NaN."""
     if low == bounds(x.dtype).tiny:
         return torch.where(x <= open_at, low, x)
-    return torch.clamp(x, low, None)
+    return clip(x, low, None)
 
 
 @memo
@@ -311,7 +327,7 @@ def overflowing(hi: str, own: str) -> Callable:
     def impl(fn, args, kwargs, consts, fence):
         x, rest, kw = _unary(args, kwargs)
         top = consts(x.dtype)[hi]
-        xs = torch.clamp(x, None, top)
+        xs = clip(x, None, top)
         _count(lambda: xs != x)
         y = fn(xs, *rest, **kw)
         b = bounds(y.dtype)
@@ -332,7 +348,7 @@ def logit(fn, args, kwargs, consts, fence):
     lo, hi = c["lo"], c["hi"]
     if eps is not None:  # respect the user's eps, but never 1 - eps == 1.0
         lo, hi = max(lo, _in_dtype(eps, x.dtype)), min(hi, _in_dtype(1 - eps, x.dtype))
-    xs = torch.clamp(_raised(x, lo), None, hi)
+    xs = clip(_raised(x, lo), None, hi)
     _count(lambda: xs != x)
     return fn(fence(xs), *rest, **kw)
 
@@ -376,7 +392,7 @@ def pow_(fn, args, kwargs, consts, fence):
         dom: PowDomain | None = pow_domain(float(p), x.dtype)
         if dom is None:
             return fn(x, p, *rest, **kw)
-        xs = _away_from_zero(x, dom.away) if dom.away else torch.clamp(x, dom.lo, dom.hi)
+        xs = _away_from_zero(x, dom.away) if dom.away else clip(x, dom.lo, dom.hi)
         moved = xs != x
         _count(lambda: moved)
         # the domain keeps p * x ** (p - 1) finite, except at 0 when 0 < p < 1: there the power
@@ -486,7 +502,7 @@ def xlogy(fn, args, kwargs, consts, fence):
         if isinstance(x, Tensor):
             move = move & (x != 0)
         ys = y if not isinstance(x, Tensor) and x == 0 else torch.where(move, lo, y)
-        ys = torch.clamp(ys, None, c["hi"])
+        ys = clip(ys, None, c["hi"])
         _count(lambda: ys != y)
         y = fence(ys)
     return finite(fn(fence(x), y, *rest, **kw))
@@ -543,7 +559,7 @@ def finite_low_precision(fn, args, kwargs, consts, fence):
     out = fn(*args, **kwargs)
     if not isinstance(out, Tensor) or out.dtype != torch.float16:
         return out
-    if torch.compiler.is_compiling() or out._base is not None or "out" in kwargs:
+    if torch.compiler.is_compiling() or view_base(out) is not None or "out" in kwargs:
         return finite(out)
     # eager, a fresh result no one else holds yet: saturated in place, through a detached
     # alias, so autograd records nothing (the gradient passes straight through, as finite's)

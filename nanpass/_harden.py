@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ._check import check_input, check_state
+from ._compat import require
 from ._config import Config, dynamic_dims_of, make_config
 from ._errors import ConfigError, NanpassTypeError
 from ._intercept import Sites, run_guarded
@@ -277,6 +278,8 @@ def harden(
             "(model._orig_mod), or compile with the nanpass backend: "
             'torch.compile(model, backend="nanpass")'
         )
+    require("checkpoint_recompute", "harden (a checkpointed region's recompute re-enters the guards)")
+    require("fast_path_check", "harden (nn.MultiheadAttention's fast path as plain)")
     if stable:
         raise ConfigError(
             "nanpass: harden() runs your forward as written and guards each unsafe call, so it "

@@ -411,7 +411,7 @@ def _bind(fn: Callable) -> Callable:
 def _guarding() -> bool:
     if ACTIVE.get() is None:
         return False
-    stack = torch.overrides._get_current_function_mode_stack()
+    stack = _compat.function_mode_stack()
     return bool(stack) and isinstance(stack[-1], GuardMode)
 
 

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from . import _stable
 from ._check import Site, check_input, checked, nonfinite_flag, tap
+from ._compat import no_dynamo_source
 from ._config import Config
 from ._constants import memo
 from ._errors import RewriteError
@@ -280,7 +281,7 @@ def _tap_operands(graph: fx.Graph, node: fx.Node, sp: Spelling, probe: fx.Node |
             last = [n for n in graph.nodes if n.op == "placeholder"][-1]
             with graph.inserting_after(last):
                 probe = graph.placeholder("nanpass_probe")
-            probe._dynamo_source = None  # aot_autograd asks each input of a dynamo graph for one
+            no_dynamo_source(probe)
         with graph.inserting_before(node):
             box[key] = graph.call_function(tap, (a, probe))
     node.args, node.kwargs = tuple(args), kwargs

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._compat import removed_op
 from ._constants import Bounds
 
 Tensor = torch.Tensor
@@ -135,11 +136,13 @@ class Rule:
     def guarded(self) -> bool:
         return self.guard is not None
 
-    def spellings(self) -> Iterator[Spelling]:
+    def spellings(self, removed: bool = False) -> Iterator[Spelling]:
+        """``removed``: also the spellings the running torch keeps only as a stub that says the
+        op was removed (``torch.qr`` from 2.14): docs/guards.md lists what the table names."""
         functions = _derived_functions(self.name) if self.functions is None else self.functions
         methods = ((self.name,) if hasattr(Tensor, self.name) else ()) if self.methods is None else self.methods
         for name in functions:
-            fn = _resolve(name)
+            fn = _resolve(name, removed)
             if fn is not None:
                 yield Spelling("function", name, fn, fn)
         for name in self.operators:
@@ -148,7 +151,7 @@ class Rule:
         for ip, op in self.inplace_operators:
             yield Spelling("operator", ip, _resolve(ip), _resolve(ip), _resolve(op))
         for m in methods:
-            if not hasattr(Tensor, m):
+            if not hasattr(Tensor, m) or not removed and removed_op(getattr(Tensor, m)):
                 continue
             fn = getattr(Tensor, m)
             yield Spelling("method", f"Tensor.{m}", m, fn)
@@ -163,17 +166,19 @@ class Rule:
                 yield Spelling("module", name, cls, None)
 
 
-def _resolve(name: str):
-    """"torch.special.expm1" -> the object, or None where this torch lacks it."""
+def _resolve(name: str, removed: bool = False):
+    """"torch.special.expm1" -> the object, or None where this torch lacks it (or keeps only a
+    stub that says it was removed)."""
     if name.startswith("nn."):
         name = "torch." + name
     elif name.startswith("F."):
         name = "torch.nn.functional." + name[2:]
     mod, _, attr = name.rpartition(".")
     try:
-        return getattr(importlib.import_module(mod), attr)
+        obj = getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError):
         return None
+    return None if not removed and removed_op(obj) else obj
 
 
 def _number(x) -> bool:

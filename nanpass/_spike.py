@@ -31,13 +31,11 @@ import numbers
 import os
 import random
 import sys
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ._compat import forget_unscale, scaler_state, set_scaler_state, tree_flatten, tree_unflatten
 from ._errors import ConfigError, NanpassError, NanpassTypeError
 from ._train import StepGuard
 
@@ -96,16 +94,9 @@ def _set_rng_state(state: dict) -> None:
 def _scaler_state(scaler) -> dict | None:
     """The GradScaler's scale and growth tracker as device tensors (its ``state_dict()`` would
     read the scale back: a host sync at every snapshot)."""
-    if scaler is None or not scaler.is_enabled() or scaler._scale is None:
+    if scaler is None or not scaler.is_enabled():
         return None
-    return {"scale": scaler._scale.clone(), "growth_tracker": scaler._growth_tracker.clone()}
-
-
-def _set_scaler_state(scaler, state: dict) -> None:
-    if scaler._scale is None:
-        scaler._lazy_init_scale_growth_tracker(state["scale"].device)
-    scaler._scale.copy_(state["scale"])
-    scaler._growth_tracker.copy_(state["growth_tracker"])
+    return scaler_state(scaler)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -331,7 +322,7 @@ class SpikeGuard:
             first = verdict
             self._zero_grad()
             if self.step_guard._scaling():  # let the scaler unscale the re-run's gradients
-                self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+                forget_unscale(self.scaler)
             _set_rng_state(self._rng_before)
             with torch.enable_grad():
                 again = closure()
@@ -452,7 +443,10 @@ class SpikeGuard:
 
     # --- snapshots ---
     def _state_tree(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         return {"model": get_model_state_dict(self.model),
                 "optim": get_optimizer_state_dict(self.model, list(self.optimizers))}
@@ -500,7 +494,10 @@ class SpikeGuard:
         self._slots, self._trail, self.replay, self._restores = [slot], {}, [], {}
 
     def _restore(self, slot: _Slot) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         tree = slot.tree(clone=True)  # clones: the optimizer must not alias the snapshot's buffers
         set_model_state_dict(self.model, tree["model"])
@@ -520,9 +517,9 @@ class SpikeGuard:
                         g["lr"] = lr
         if self.scaler is not None:
             # this step's unscale_ is abandoned with it: the next step unscales afresh
-            self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            forget_unscale(self.scaler)
             if rest["scaler"] is not None:
-                _set_scaler_state(self.scaler, rest["scaler"])
+                set_scaler_state(self.scaler, rest["scaler"])
         _set_rng_state(rest["rng"])
         self._n, self._gn = rest["n"], rest["gn"]
         if rest["hist"] is not None:

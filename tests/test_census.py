@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from nanpass._rule import _resolve
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CENSUS_MD = ROOT / "docs" / "census.md"
 
@@ -143,6 +145,13 @@ def _census_rows() -> dict[str, str]:
     return rows
 
 
+def _removed_from_torch(ident: str) -> bool:
+    """The running torch no longer has the op (``torch.cholesky`` is a stub that raises from
+    2.14, and OpInfo dropped it in 2.15): docs/census.md, generated on the oldest supported
+    torch, may still list it."""
+    return _resolve(f"torch.{ident}") is None
+
+
 def test_census_md_agrees_with_the_lists():
     assert CENSUS_MD.exists(), "run: python benchmarks/census.py --out docs/census.md"
     rows = _census_rows()
@@ -156,6 +165,8 @@ def test_census_md_agrees_with_the_lists():
     ops = {census.op_id(op): op for op in census.load_ops()}
     for ident, status in rows.items():
         op = ops.get(ident)
+        if op is None and _removed_from_torch(ident):
+            continue  # the census's torch had it; this one removed it (cholesky from 2.14)
         assert op is not None, f"docs/census.md lists {ident!r}, which is not an OpInfo op"
         if status.startswith("accepted: ") and status != census.POLICY_STATUS:
             reason = census.accepted_reason(op)

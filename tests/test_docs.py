@@ -5,6 +5,9 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
+from nanpass import _compat
 from nanpass._docs import guards_markdown
 from nanpass._rules import GUARDED
 
@@ -27,4 +30,13 @@ def test_readme_has_exactly_two_setup_commands():
     assert "pytest" in commands[1]
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci, "CI must run the README's test command"
-    assert "torch==2.13.0" in ci
+    assert "torch==2.13.0" in commands[0] and "venv .venv 2.13.0" in ci
+
+
+@pytest.mark.parametrize("release", _compat.TESTED)
+def test_ci_runs_the_readme_tests_on_every_supported_torch(release):
+    readme = (ROOT / "README.md").read_text()
+    command = re.findall(r"```(?:bash|sh)\n(.*?)```", readme, flags=re.S)[1].strip()
+    ci = (ROOT / ".ci" / "run").read_text()
+    (venv,) = re.findall(rf"^venv (\S+) {re.escape(release)}\.\d+$", ci, flags=re.M)
+    assert command.replace(".venv/", f"{venv}/") in ci.splitlines()
