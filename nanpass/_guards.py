@@ -451,7 +451,7 @@ def masked_rows(sign: int) -> Callable:
 
     def impl(fn, args, kwargs, consts, fence):
         x, rest, kw = _unary(args, kwargs)
-        if not x.is_floating_point():
+        if not x.is_floating_point() or x.numel() == 0:  # nothing to move (amax of none raises)
             return fn(x, *rest, **kw)
         dim = _softmax_dim(fn, rest, kw, x)
         with torch.no_grad():
@@ -476,6 +476,8 @@ def logsumexp(fn, args, kwargs, consts, fence):
     x, rest, kw = _unary(args, kwargs)
     if not x.is_floating_point():
         return fn(x, *rest, **kw)
+    if x.numel() == 0:  # over an empty dim: -inf, as an all -inf slice (amax of none raises)
+        return finite(fn(x, *rest, **kw))
     dim = rest[0] if rest else kw.get("dim")
     sat = bounds(x.dtype).sat
     with torch.no_grad():

@@ -225,6 +225,20 @@ def test_rowwise(name, dtype, data):
     assert_same_where(grads[0], rg, grad_mask & out_mask.reshape(rows, -1).all(-1, keepdim=True), "gradient")
 
 
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)], ids=["empty-dim", "no-rows"])
+@pytest.mark.parametrize("name", list(ROWWISE))
+def test_rowwise_over_zero_size(name, shape):
+    """torch's own OpInfo sample: a zero-size tensor (plain softmax returns an empty one, and
+    logsumexp over an empty dim -inf, which the guard saturates); the guard must not raise."""
+    g, orig = guard(name, ROWWISE[name])
+    outs, grads = run(g, leaf([], torch.float32, shape), dim=-1)
+    (ref,), (rg,) = run(orig, leaf([], torch.float32, shape), dim=-1)
+    assert outs[0].shape == ref.shape and grads[0].shape == rg.shape
+    assert_finite(outs, grads)
+    if ref.numel() and not finite(ref).all():  # logsumexp over an empty dim: -inf -> -sat
+        assert torch.equal(outs[0], torch.full_like(ref, -bounds(ref.dtype).sat))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_masked_rows_keep_their_softmax(dtype):
     """A -inf mask is the safe domain's edge, not outside it: partially masked rows are unchanged."""
