@@ -154,9 +154,11 @@ def pow_domain(p: float, dtype: torch.dtype) -> PowDomain | None:
             )
         c = _walk(min(start, fi.max), dtype, 0.0, ok)
         return PowDomain(lo=-c if integer else 0.0, hi=c)
-    # p < 0: x ** p blows up at 0; the smallest magnitude where value and derivative are finite
-    start = math.exp(max(log_max / p, log_max / (p - 1), (math.log(-p) - log_max) / (1 - p)))
-    m = _walk(start, dtype, math.inf, ok)
+    # p < 0: x ** p blows up at 0; the smallest magnitude where the value is finite. Below the
+    # magnitude where the derivative p * x ** (p - 1) is finite too the forward is still the
+    # original's: the guard fences that derivative instead (issue 28: a GCN's deg ** -0.5)
+    start = math.exp(log_max / p)
+    m = _walk(start, dtype, math.inf, lambda t: _finite(t.abs() ** p))
     if integer:
         return PowDomain(lo=None, hi=None, away=m)
     # no upper bound: x ** p -> 0 as x -> +inf, with a derivative -> 0 (the original's own

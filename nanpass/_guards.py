@@ -395,12 +395,20 @@ def pow_(fn, args, kwargs, consts, fence):
         xs = _away_from_zero(x, dom.away) if dom.away else clip(x, dom.lo, dom.hi)
         moved = xs != x
         _count(lambda: moved)
-        # the domain keeps p * x ** (p - 1) finite, except at 0 when 0 < p < 1: there the power
-        # runs on 1 and the result is 0 (+-0 ** p is +0), with derivative 0 at every order
-        # (the double-where form, see clamped; GPT-2's x ** 3 pays for none of it)
+        # for p > 0 the domain keeps p * x ** (p - 1) finite, except at 0 when 0 < p < 1: there
+        # the power runs on 1 and the result is 0 (+-0 ** p is +0), with derivative 0 at every
+        # order (the double-where form, see clamped; GPT-2's x ** 3 pays for none of it). For
+        # p < 0 the domain is where the value is finite: the original's forward there, and the
+        # derivative that overflows next to it (x ** -0.5 of float16 1e-4) is the fence's
         if 0 < p < 1:
             at = xs == 0
-            y = torch.where(at, 0.0, fn(fence(torch.where(at, 1.0, xs)), p, *rest, **kw))
+            # +-0 ** p as the kernel computes it: (-0.0) ** 0.5 is -0.0 in float32 (sqrt), +0
+            # in float16 and for other powers
+            neg = fn(torch.full((), -0.0, dtype=xs.dtype, device=xs.device), p)
+            zero = torch.where(xs.detach().signbit(), neg, 0.0)
+            y = torch.where(at, zero, fn(fence(torch.where(at, 1.0, xs)), p, *rest, **kw))
+        elif p < 0:
+            y = fn(fence(xs), p, *rest, **kw)
         else:
             y = fn(xs, p, *rest, **kw)
         if p < 0 or dom.hi is not None and dom.hi < bounds(x.dtype).max:
@@ -410,8 +418,11 @@ def pow_(fn, args, kwargs, consts, fence):
         if p < 0:
             # 0 ** p (p < 0) is inf: 0, as the division guard makes 1 / 0 (divide_no_nan). What
             # a user's own handling makes of it too (GCN: d = deg ** -0.5; d[d == inf] = 0), so
-            # a product with it (d[row] * w * d[col]) and its gradient stay finite
-            y = torch.where(x == 0, 0.0, y)
+            # a product with it (d[row] * w * d[col]) and its gradient stay finite. A negative
+            # base of a fractional power is outside the domain (NaN): 0 too, not +-sat, so a
+            # product of two guard outputs stays finite (torch_geometric#795: negative degrees);
+            # (-inf) ** p is 0 plain, and stays so
+            y = torch.where(x == 0 if float(p).is_integer() else x <= 0, 0.0, y)
         return y
     # a tensor exponent: any base, any exponent; saturate the value, fence the gradients
     return finite(fn(fence(x), fence(p), *rest, **kw))

@@ -123,9 +123,11 @@ RULES: tuple[Rule, ...] = (
         "pow", g.pow_,
         reason="fractional power of a negative base is NaN, a negative power of 0 inf, "
         "x**g with g < 1 has an infinite gradient at 0, and large powers overflow",
-        action="base clamped into the exponent's finite domain (pushed away from 0 for negative "
-        "integer powers), a result that would overflow +-sat; a negative power of 0 is 0 (as 1 / 0 "
-        "under div); a tensor exponent saturates the result; non-finite gradients become 0",
+        action="base clamped into the exponent's finite domain (for a negative power: where the "
+        "value is finite, pushed away from 0 for an integer one, the derivative that overflows "
+        "there fenced), a result that would overflow +-sat; a negative power of 0, or of a "
+        "negative base when fractional, is 0 (as 1 / 0 under div); a tensor exponent saturates "
+        "the result; non-finite gradients become 0",
         functions=("torch.pow", "torch.float_power"),
         operators=("operator.pow",),
         inplace_operators=(("operator.ipow", "operator.pow"),),

@@ -185,6 +185,30 @@ def test_pow_scalar_exponent(dtype, p, data):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("p", [e for e in EXPONENTS if e not in (0, 1)])
+@given(data=st.data())
+def test_pow_keeps_every_finite_value(dtype, p, data):
+    """Promise 1: the forward is the original's wherever its value is finite, also where the
+    derivative overflows beside it (float16 1e-4 ** -0.5 is 100, its derivative -5e5); that
+    derivative is fenced (0). A negative base of a fractional power (NaN) gives 0, as
+    -inf ** p (0 plain) does, so products of two guard outputs stay finite."""
+    vals = data.draw(values(dtype))
+    g, orig = guard("pow", "torch.pow")
+    outs, grads = run(g, leaf(vals, dtype), p)
+    assert_finite(outs, grads)
+    xs = torch.tensor(vals, dtype=torch.float64).to(dtype)
+    ref = orig(xs, p)
+    with torch.no_grad():
+        cold = g(xs, p)
+    for out in (outs[0], cold):
+        assert_same_where(out, ref, finite(ref), "value")
+        if p < 0 and not float(p).is_integer():
+            assert (out[xs < 0] == 0).all()
+    prod = outs[0].detach() * outs[0].detach()
+    assert finite(prod[ref.isnan() | (ref == 0)]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @given(data=st.data())
 def test_pow_tensor_exponent(dtype, data):
     n = data.draw(st.integers(1, 10))
