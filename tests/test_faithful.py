@@ -1392,3 +1392,48 @@ def test_a_bad_row_of_logits_leaves_the_other_rows_training():
         _CE()(a, y).backward()
         nanpass.harden(_CE())(b, y).backward()
         assert torch.equal(b.grad[keep], a.grad[keep]) and (b.grad[1] == 0).all()
+
+
+# -- a guarded op's input that fans out ----------------------------------------------------
+
+
+class EdgeForces(nn.Module):
+    """The shape of e3nn's force matching: edge vectors from positions feed both
+    ``F.normalize`` (the spherical harmonics' direction) and ``.norm()`` (the radial basis)."""
+
+    def __init__(self, order: str):
+        super().__init__()
+        self.radial = nn.Linear(1, 3)
+        self.order = order
+
+    def forward(self, pos, src, dst):
+        vec = pos[dst] - pos[src]
+        if self.order == "normalize-first":
+            direction = F.normalize(vec, dim=-1)
+            length = vec.norm(dim=-1, keepdim=True)
+        else:
+            length = vec.norm(dim=-1, keepdim=True)
+            direction = F.normalize(vec, dim=-1)
+        return ((direction * self.radial(length)).sum(-1) ** 2).sum()
+
+
+@pytest.mark.parametrize("order", ["normalize-first", "norm-first"])
+def test_a_fanned_out_input_keeps_its_gradient_bits(order):
+    """Issue 28 item 3: a guard's fence adds no autograd node on a safe input, so autograd sums
+    the two gradient contributions into ``vec`` in the original's order (a fence node made
+    them differ by an ulp in every draw); forces with ``create_graph`` too."""
+    model = EdgeForces(order)
+    hardened = nanpass.harden(model)
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        pos = torch.randn(16, 3, generator=g)
+        src, dst = torch.randint(0, 16, (64,), generator=g), torch.randint(0, 16, (64,), generator=g)
+        src, dst = src[src != dst], dst[src != dst]  # a safe input: no zero-length edge
+        results = []
+        for m in (model, hardened):
+            p = pos.clone().requires_grad_()
+            (force,) = torch.autograd.grad(m(p, src, dst), p, create_graph=True)
+            grads = torch.autograd.grad((force ** 2).sum(), [p, *model.parameters()])
+            results.append([force.detach(), *grads])
+        for want, got in zip(*results, strict=True):
+            assert torch.equal(got, want), f"seed {seed}: {(got - want).abs().max()}"
