@@ -410,36 +410,6 @@ def functorch_active() -> bool:
     return _functorch_active()()
 
 
-@entry("functorch_wrapped", "torch._C._functorch.is_functorch_wrapped_tensor")
-def _functorch_wrapped():
-    return torch._C._functorch.is_functorch_wrapped_tensor
-
-
-def is_functorch_wrapped(t) -> bool:
-    return _functorch_wrapped()(t)
-
-
-@entry("autograd_nodes",
-       "torch._C._autograd._get_sequence_nr, Node._sequence_nr and Tensor.output_nr")
-def _autograd_nodes():
-    x = torch.zeros(1, requires_grad=True).exp()
-    return torch._C._autograd._get_sequence_nr(), x.grad_fn._sequence_nr(), x.output_nr
-
-
-def sequence_nr() -> int:
-    """The sequence number the next autograd node created on this thread will get."""
-    return torch._C._autograd._get_sequence_nr()
-
-
-def node_sequence_nr(node) -> int:
-    return node._sequence_nr()
-
-
-def output_nr(t) -> int:
-    """Which output of its ``grad_fn`` a tensor is (the edge a consumer's node points along)."""
-    return t.output_nr
-
-
 def _no_torch_function(relevant_args) -> bool:
     return False
 

@@ -58,14 +58,9 @@ exactly the incoming gradient there, and zero outside), maps +-inf to +-sat with
 a *finite-gradient fence* between the clamp and the op: identity forward; in backward a gradient
 that is not finite (the derivative of sqrt at 0, of acos at 1) becomes 0 — unless the gradient
 that arrived at the guard's result was already non-finite (a loss-scale overflow, a NaN from
-further up), when it passes the gradient as it came, so GradScaler and StepGuard still see it.
-Eager, the fence adds no autograd node: it hooks the guard's own nodes that feed the operand
-(a pre-hook on the result's node records whether the arriving gradient is finite, on the
-device, no sync), so on a safe input the autograd graph has the original's shape and an input
-that fans out keeps its gradient bits; with `create_graph` the second derivative's edges into
-the operand are hooked the same way. Traced (`torch.compile`, `torch.export`) or under
-`torch.func`, where hooks are not seen, the fence is an identity `autograd.Function` that hands
-out a token, a 0-d zero tied to the guard's result, whose gradient is NaN exactly then. A guard zeroes only its
+further up): the fence hands out a token, a 0-d zero tied to the guard's result, whose gradient
+is NaN exactly then (computed on the device, no sync, no Python state), and then the fence
+passes the gradient as it came, so GradScaler and StepGuard still see it. A guard zeroes only its
 own op's singular derivative (`tests/test_rule_contract.py`, `tests/test_mixed_precision.py`). The op never sees an
 unsafe operand, so the double-where trap (`torch.where(d != 0, x / d, 0)` has a NaN gradient at
 d = 0, because 0 * inf = NaN) cannot happen. Where the singular points are known (sqrt at 0, acos

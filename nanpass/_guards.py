@@ -11,8 +11,7 @@ operands outside the op's safe domain, with three building blocks:
 * ``finite``: +-inf to +-max and NaN to 0, identity on finite values; its gradient passes
   straight through (nothing saved, no backward kernel);
 * ``fence``: identity forward; in backward, a gradient that is not finite becomes 0 unless
-  the gradient that reached the guard's result was already non-finite (``Fences``: eager,
-  hooks on the guard's own nodes, so no node is added; traced, a token
+  the gradient that reached the guard's result was already non-finite (``Fences``: a token
   tied to the result carries that verdict through autograd itself). This is what defeats the
   double-where trap: the op never sees an unsafe operand, and a derivative that is infinite
   at the boundary (sqrt at 0, acos at 1) cannot leak NaN.
@@ -33,19 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._compat import (
-    CLAMP_GRAD_AT_BOUNDS,
-    entered,
-    function_apply,
-    functorch_active,
-    node_sequence_nr,
-    output_nr,
-    sequence_nr,
-    view_base,
-)
-from ._compat import (
-    is_functorch_wrapped as _is_wrapped,
-)
+from ._compat import CLAMP_GRAD_AT_BOUNDS, entered, function_apply, functorch_active, view_base
 from ._constants import PowDomain, bounds, memo, pow_domain
 
 Tensor = torch.Tensor
@@ -82,10 +69,6 @@ def _fence_grad(grad: Tensor, token_grad: Tensor) -> Tensor:
     if torch.compiler.is_compiling():  # inductor fuses it; its CPU code scalarises isfinite
         return torch.where((grad.abs() <= bounds(grad.dtype).max) | (token_grad != 0), grad, 0.0)
     zeroed = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
-    if token_grad is None:  # a hooked fence whose result got no gradient verdict: finite
-        return zeroed
-    if token_grad.dtype == torch.bool:  # a hooked fence: True where the arriving one was not finite
-        token_grad = token_grad.to(grad.dtype)
     if grad.requires_grad or functorch_active():  # no out= there
         return torch.where(token_grad == 0, zeroed, grad)
     return torch.where(token_grad == 0, zeroed, grad, out=zeroed)
@@ -166,125 +149,26 @@ def _no_fence(x):
 
 class Fences:
     """The fences of one guard call: ``fence(x)`` on each operand whose derivative may be
-    singular, then ``tie(out)`` on the result. Local to the call: nothing a transform sees.
+    singular, then ``tie(out)`` on the result. Local to the call: nothing a transform sees."""
 
-    Eager (no ``torch.func`` transform, not traced) a fence adds no autograd node: ``tie``
-    finds the edges from the guard's own nodes into each fenced operand and hooks those nodes
-    (``_hook_fences``), so on a safe input the autograd graph has the original's shape and
-    autograd sums an operand's gradient contributions in the original's order (a fanned-out
-    input keeps its gradient bits: e3nn's ``normalize(v)`` beside ``v.norm()``). Traced or
-    under a transform, where hooks are not seen, the fence is the ``_Fence`` Function with its
-    token tied to the result."""
-
-    __slots__ = ("tokens", "hooked", "start")
+    __slots__ = ("tokens",)
 
     def __init__(self):
         self.tokens = []
-        self.hooked = []
-        # nodes the guard creates have sequence numbers from here (eager only)
-        self.start = None if torch.compiler.is_compiling() else sequence_nr()
 
     def __call__(self, x):
         if isinstance(x, Tensor) and x.requires_grad and x.is_floating_point():
-            if self.start is not None and not functorch_active() and not _is_wrapped(x):
-                self.hooked.append(x)
-                return x
             x, token = _Fence.apply(x) if torch.compiler.is_compiling() else _FENCE_EAGER(x)
             self.tokens.append(token)
         return x
 
     def tie(self, out):
-        if self.hooked:
-            _hook_fences(out, self.hooked, self.start)
-            self.hooked = []
         if not self.tokens:
             return out
         token = self.tokens[0]
         for t in self.tokens[1:]:
             token = token + t.to(token.dtype)
         return _each(out, lambda o: _tie(o, token))
-
-
-def _hook_fences(out, operands: list, start: int) -> None:
-    """A pre-hook on each result's node records whether the gradient reaching it is finite; a
-    post-hook on each node the guard made that feeds a fenced operand zeroes that edge's
-    non-finite gradient unless it was (``_fence_grad``'s rule, with no node of its own)."""
-    results = [o for o in (out if isinstance(out, tuple) else (out,))
-               if isinstance(o, Tensor) and o.grad_fn is not None]
-    targets = {(id(x.grad_fn), output_nr(x)): x.grad_fn for x in operands if x.grad_fn is not None}
-    leaves = {id(x) for x in operands if x.grad_fn is None}
-    _hook_edges(results, targets, leaves, start)
-
-
-def _hook_edges(results: list, targets: dict, leaves: set, start: int) -> None:
-    """Hook the edges into ``targets`` ((node id, input nr) -> node; ``leaves``: ids of leaf
-    operands, whose AccumulateGrad nodes join ``targets`` when met) from the nodes with
-    sequence numbers from ``start`` that lead to ``results``. A post-hook that hands back a
-    gradient with a graph of its own (``create_graph``) hooks that graph's edges into the same
-    operands: the second derivative is fenced too, as the ``_Fence`` node's backward is."""
-    edges: dict = {}  # id(node) -> (node, [input positions into a fenced operand])
-    stack, seen = [o.grad_fn for o in results if o.grad_fn is not None], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        for i, (nxt, nr) in enumerate(node.next_functions):
-            if nxt is None:
-                continue
-            if (id(nxt), nr) in targets or (leaves and id(getattr(nxt, "variable", None)) in leaves):
-                targets[(id(nxt), nr)] = nxt
-                edges.setdefault(id(node), (node, []))[1].append(i)
-            elif node_sequence_nr(nxt) >= start and not hasattr(nxt, "variable"):
-                stack.append(nxt)
-    if not edges:
-        return
-    verdict: dict = {}
-
-    def arrived(grad_outputs):
-        oks = [_all_finite(g) for g in grad_outputs if g is not None and g.numel()]
-        if oks:
-            verdict[0] = oks[0] if len(oks) == 1 else torch.stack(oks).all()
-
-    for node in {id(o.grad_fn): o.grad_fn for o in results}.values():
-        node.register_prehook(arrived)
-    for node, positions in edges.values():
-        begin: dict = {}
-        node.register_prehook(_mark(begin))
-        node.register_hook(_post_fence(positions, verdict, targets, begin))
-
-
-def _all_finite(g: Tensor) -> Tensor:
-    """On the device, in one pass (isfinite().all() takes four): min and max carry any NaN."""
-    if not g.is_floating_point():
-        return torch.ones((), dtype=torch.bool, device=g.device)
-    lo, hi = torch.aminmax(g)
-    return (lo >= -bounds(g.dtype).max) & (hi <= bounds(g.dtype).max)
-
-
-def _mark(begin: dict):
-    def pre(grad_outputs):
-        begin[0] = sequence_nr()  # the nodes this node's backward creates (create_graph)
-
-    return pre
-
-
-def _post_fence(positions: list, verdict: dict, targets: dict, begin: dict):
-    def post(grad_inputs, grad_outputs):
-        ok = verdict.get(0)
-        new = list(grad_inputs)
-        for i in positions:
-            g = new[i]
-            if g is not None and g.is_floating_point():
-                new[i] = _fence_grad(g, None if ok is None else ~ok)
-        # every gradient this node hands back may carry a graph into the operands (x / d's
-        # gradient for d is -g * x / d ** 2): fence those edges too
-        graphed = [g for g in new if isinstance(g, Tensor) and g.grad_fn is not None]
-        if graphed:
-            _hook_edges(graphed, dict(targets), set(), begin.get(0, 0))
-        return tuple(new)
-
-    return post
 
 
 def _each(out, f):
