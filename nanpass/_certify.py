@@ -490,7 +490,7 @@ class Analysis(TorchDispatchMode):
 
     def relate(self, base, args, outs) -> None:
         """Remember which values are exp(t) for t up to a bound (through the exp guard of a
-        hardened model: exp(clamp(t, max=h)), then sat where t > c)."""
+        hardened model: exp(clamp(t, max=h)) or exp(where(t > h, h, t)), then sat where t > c)."""
         if not outs or not args:
             return
         o, x = outs[0], args[0]
@@ -508,6 +508,8 @@ class Analysis(TorchDispatchMode):
             c, e = self._rel(self.gt_of, args[0]), self._rel(self.exp_of, args[2])
             if c and e and c[1] is e[1]:
                 self.exp_of[id(o)] = (o, e[1], min(e[2], c[2]))
+            elif c and c[1] is args[2]:  # where(t > h, h, t): the guards' clamp from torch 2.14
+                self.same_below[id(o)] = (o, args[2], c[2])
 
     # -- overflow that a guard absorbs -----------------------------------------------------
     def follow(self, in_tensors, outs, boxes, site) -> None:

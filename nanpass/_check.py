@@ -115,7 +115,7 @@ def _report(event: Event, warn: bool) -> None:
 def _suspicious_row(t: Tensor, nan_only: bool = False) -> int | None:
     """First index along dim 0 holding a NaN, or (for an op's operand) a zero, a negative or a
     non-finite value: where a log, a division or a sqrt goes wrong."""
-    if t.dim() == 0 or not t.is_floating_point():
+    if t.dim() == 0 or not t.is_floating_point() or t.numel() == 0:  # (a mean of no elements)
         return None
     bad = torch.isnan(t) if nan_only else (t == 0) | (t < 0) | ~torch.isfinite(t)
     rows = bad.reshape(t.shape[0], -1).any(1)

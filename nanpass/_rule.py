@@ -208,6 +208,33 @@ def _dtype(x) -> torch.dtype | None:
     return v.dtype if isinstance(v, Tensor) else None
 
 
+def _shape(x):
+    """The shape of a tensor operand, or of a graph node's recorded value."""
+    if isinstance(x, Tensor):
+        return x.shape
+    meta = getattr(x, "meta", None)
+    v = meta.get("example_value", meta.get("val")) if isinstance(meta, dict) else None
+    return v.shape if isinstance(v, Tensor) else None
+
+
+def _nonempty_mean(args, kwargs):
+    """A mean is NaN only over an empty selection (0 / 0 from no operands at all): a mean
+    whose reduced dims all have a (static) size above 0 is safe."""
+    shape = _shape(args[0] if args else kwargs.get("input", kwargs.get("self")))
+    if shape is None:
+        return None
+    dim = args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else kwargs.get("dim")
+    dims = range(len(shape)) if dim is None or dim == [] or dim == () else (
+        dim if isinstance(dim, (tuple, list)) else (dim,))
+    try:
+        sizes = [shape[d] for d in dims]
+    except (IndexError, TypeError):
+        return None
+    if all(isinstance(n, int) and n > 0 for n in sizes):
+        return "a mean over a non-empty selection"
+    return None
+
+
 def cuda_autocast(x) -> bool:
     """``x`` is a CUDA tensor under CUDA autocast (an op on autocast's float32 list then
     computes in float32 whatever ``x``'s dtype)."""

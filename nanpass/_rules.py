@@ -17,6 +17,7 @@ from ._rule import (
     Spelling,
     _divisor_safe,
     _exponent_safe,
+    _nonempty_mean,
     _nonzero_divisor,
     _resolve,
     operands,
@@ -245,6 +246,14 @@ RULES: tuple[Rule, ...] = (
         action="a NaN result becomes 0 and overflow saturates; non-finite gradients become 0",
         functions=("torch.var", "torch.var_mean"), methods=("var",),
         sample=Sample(operands(tensor(1.0)), operands(tensor(1.0, 2.0, 4.0))),
+    ),
+    Rule(
+        "mean", g.finite_result,
+        reason="over an empty selection it is 0 / 0 = NaN (a masked loss with no valid element: "
+        "ZoeDepth's SILog loss on a depth map with no valid pixel)",
+        action="a NaN result becomes 0; a mean over a non-empty selection is left as written",
+        functions=("torch.mean",), methods=("mean",), inplace=False, safe_if=_nonempty_mean,
+        sample=Sample(operands(tensor()), operands(tensor(1.0, 2.0, 4.0))),
     ),
     Rule(
         "xlogy", g.xlogy, stable=True,

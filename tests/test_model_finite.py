@@ -95,3 +95,39 @@ def test_headroom_is_exact_and_leaves_finite_results_alone(dtype):
 class ExpOnly(nn.Module):
     def forward(self, x):
         return torch.exp(x)
+
+
+class SILogLoss(nn.Module):
+    """ZoeDepth's scale-invariant log loss (isl-org/ZoeDepth#54), as written there: over the
+    valid pixels only, so a depth map with no valid pixel takes the mean of an empty selection."""
+
+    def __init__(self, beta: float = 0.15):
+        super().__init__()
+        self.beta = beta
+
+    def forward(self, pred, target, mask):
+        g = torch.log(pred[mask]) - torch.log(target[mask])
+        dg = torch.var(g) + self.beta * torch.pow(torch.mean(g), 2)
+        return 10 * torch.sqrt(dg)
+
+
+def _run(model, mask):
+    pred = (torch.rand(2, 1, 4, 4, generator=torch.Generator().manual_seed(0)) + 0.5).requires_grad_()
+    target = torch.rand(2, 1, 4, 4, generator=torch.Generator().manual_seed(1)) + 0.5
+    outs, grads = forward_backward(model, (pred, target, mask))
+    return outs + grads
+
+
+@pytest.mark.parametrize("capture", ["harden", "backend"])
+def test_a_mean_over_an_empty_selection_is_guarded(capture):
+    """Issue 28 item 5: ``mean`` of no elements is 0 / 0 = NaN; hardened it is 0, with finite
+    gradients, and a mean over a non-empty selection keeps the original's bits."""
+    empty = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
+    assert not all_finite(_run(SILogLoss(), empty))
+    model = (nanpass.harden(SILogLoss()) if capture == "harden"
+             else torch.compile(SILogLoss(), backend=nanpass.backend(inner="aot_eager"), dynamic=False))
+    assert all_finite(_run(model, empty))
+    some = empty.clone()
+    some[0, 0, :2] = True
+    want, got = _run(SILogLoss(), some), _run(nanpass.harden(SILogLoss()), some)
+    assert all_finite(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -108,7 +108,7 @@ def test_report_finds_every_graph_after_a_break_whatever_the_inner_compiler(back
 def test_summary_line():
     assert demo_report().summary() == (
         "5 unsafe ops in 2 modules: 2 softmax, 1 div, 1 log, 1 sqrt \u2014 "
-        "5 guarded, 0 stable forms, 2 left alone"
+        "5 guarded, 0 stable forms, 5 left alone"
     )
 
 
@@ -314,18 +314,20 @@ def _call_sites(changes) -> list[tuple]:
 def test_llama_report_has_a_row_per_call_site_not_per_layer(llama):
     changes = llama.changes
     sites = _call_sites(changes)
-    # every layer: a pow and an rsqrt in each of two RMSNorms, one attention; then the final norm
-    assert len(changes) == 5 * LAYERS + 2 and len(sites) == 7
+    # every layer: a pow, a mean and an rsqrt in each of two RMSNorms, one attention; then the
+    # final norm
+    assert len(changes) == 7 * LAYERS + 3 and len(sites) == 10
     text, flat = llama.to_text(color=False), llama.to_text(color=False, group=False)
     assert len(_ACTIONS.findall(text)) == len(sites)
     assert len(_ACTIONS.findall(flat)) == len(changes)  # group=False: a row per change, as before
     assert f"{len(changes)} ops looked at, shown in {len(sites)} rows" in text.splitlines()[2]
     rows = [line for line in text.splitlines() if _ACTIONS.match(line)]
-    assert rows[2].split() == ["left", "scaled_dot_product_attention", "F.scaled_dot_product_attention",
+    assert rows[1].split()[:4] == ["left", "mean", "Tensor.mean", "model.layers.{0..31}.input_layernorm"]
+    assert rows[3].split() == ["left", "scaled_dot_product_attention", "F.scaled_dot_product_attention",
                                "model.layers.{0..31}.self_attn", "(LlamaAttention,", "32", "modules)"]
-    assert rows[1].split()[:4] == ["guarded", "rsqrt", "torch.rsqrt", "model.layers.{0..31}.input_layernorm"]
-    assert rows[1].endswith("(LlamaRMSNorm, 32 modules)")
-    assert rows[6].split() == ["guarded", "rsqrt", "torch.rsqrt", "model.norm", "(LlamaRMSNorm)"]
+    assert rows[2].split()[:4] == ["guarded", "rsqrt", "torch.rsqrt", "model.layers.{0..31}.input_layernorm"]
+    assert rows[2].endswith("(LlamaRMSNorm, 32 modules)")
+    assert rows[9].split() == ["guarded", "rsqrt", "torch.rsqrt", "model.norm", "(LlamaRMSNorm)"]
     assert "model.layers.0." not in text and "model.layers.31." not in text
     md = llama.to_markdown()
     assert len(re.findall(r"^\| (?:guarded|left) \|", md, re.M)) == len(sites)
@@ -334,7 +336,7 @@ def test_llama_report_has_a_row_per_call_site_not_per_layer(llama):
     page = llama.to_html()
     assert page.count("<tr id=") == len(sites)
     assert llama.to_html(group=False).count("<tr id=") == len(changes)
-    assert "<summary>32 modules</summary>" in page and page.count("<details>") == 5
+    assert "<summary>32 modules</summary>" in page and page.count("<details>") == 7
 
 
 def test_llama_report_names_library_files_from_their_package(llama):
@@ -351,24 +353,26 @@ def test_llama_report_names_library_files_from_their_package(llama):
 def test_llama_json_keeps_every_change_and_adds_the_groups(llama):
     graph = json.loads(llama.to_json())["graphs"][0]
     modules = [c["module"] for c in graph["changes"]]
-    assert len(modules) == 5 * LAYERS + 2
+    assert len(modules) == 7 * LAYERS + 3
     expected = {f"model.layers.{i}.{m}" for i in range(LAYERS)
                 for m in ("input_layernorm", "self_attn", "post_attention_layernorm")} | {"model.norm"}
     assert set(modules) == expected
     groups = graph["groups"]
     assert [(g["module"], g["op"], g["count"]) for g in groups] == [
-        ("model.layers.{0..31}.input_layernorm", "pow", 32), ("model.layers.{0..31}.input_layernorm", "rsqrt", 32),
+        ("model.layers.{0..31}.input_layernorm", "pow", 32), ("model.layers.{0..31}.input_layernorm", "mean", 32),
+        ("model.layers.{0..31}.input_layernorm", "rsqrt", 32),
         ("model.layers.{0..31}.self_attn", "scaled_dot_product_attention", 32),
         ("model.layers.{0..31}.post_attention_layernorm", "pow", 32),
+        ("model.layers.{0..31}.post_attention_layernorm", "mean", 32),
         ("model.layers.{0..31}.post_attention_layernorm", "rsqrt", 32),
-        ("model.norm", "pow", 1), ("model.norm", "rsqrt", 1)]
+        ("model.norm", "pow", 1), ("model.norm", "mean", 1), ("model.norm", "rsqrt", 1)]
     # every change is in exactly one group, and the group lists its module
     indices = sorted(k for g in groups for k in g["changes"])
     assert indices == list(range(len(modules)))
     for g in groups:
         assert g["modules"] == [modules[k] for k in g["changes"]]
         assert all(graph["changes"][k]["op"] == g["op"] for k in g["changes"])
-    assert groups[2]["modules"] == [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
+    assert groups[3]["modules"] == [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
 
 
 def test_llama_html_keeps_each_module_and_anchor(llama):
@@ -379,11 +383,11 @@ def test_llama_html_keeps_each_module_and_anchor(llama):
     # every change keeps its anchor, once: the first of a group on its row, the rest in its list
     for k in range(len(llama.changes)):
         assert page.count(f'id="change-0-{k}"') == 1, k
-    assert '<tr id="change-0-2" class="left">' in page  # the attention row: the third change
-    assert '<li id="change-0-7"><code>model.layers.1.self_attn</code></li>' in page
+    assert '<tr id="change-0-3" class="left">' in page  # the attention row: the fourth change
+    assert '<li id="change-0-10"><code>model.layers.1.self_attn</code></li>' in page
     # counts at the top: by action and by op
     assert "<h3>by action</h3><table class=\"counts\"><tbody><tr><th>guarded</th><td>65</td></tr>" \
-           "<tr><th>left</th><td>97</td></tr>" in page
+           "<tr><th>left</th><td>162</td></tr>" in page
     assert "<h3>unsafe ops, by op</h3><table class=\"counts\"><tbody><tr><th>rsqrt</th><td>65</td></tr>" in page
     assert page.index('class="overview"') < page.index('<table class="changes">')
     assert "http://" not in page and "https://" not in page and "<link" not in page and "<script" not in page
