@@ -1275,9 +1275,11 @@ def _xlogy(bx, a, k, o):
     lo = torch.where(zero, 0.0, torch.where(x.contains_zero(), torch.minimum(p.lo, torch.zeros_like(p.lo)), p.lo))
     hi = torch.where(zero, 0.0, torch.where(x.contains_zero(), torch.maximum(p.hi, torch.zeros_like(p.hi)), p.hi))
     nan = torch.where(zero, y.nan, torch.maximum(p.nan, y.nan))
-    # log(y) at y = 0 is -inf: 0 * -inf is not taken (xlogy gives 0 where x == 0)
+    # log(y) at y = 0 is -inf: 0 * -inf is not taken (xlogy gives 0 where x == 0); inf * log(1)
+    # = inf * 0 still is (float16 x past 65504 beside y = 1: found by the attack test)
+    inf_times_zero = (((x.lo == -INF) | (x.hi == INF)) & (y.lo <= 1) & (y.hi >= 1)).to(F64)
     nan = torch.where(x.contains_zero() & ~((x.lo == 0) & (x.hi == 0)) & (y.lo <= 0) & (y.nan == 0)
-                      & ~(y.lo < 0), torch.maximum(x.nan, y.nan), nan)
+                      & ~(y.lo < 0), torch.maximum(torch.maximum(x.nan, y.nan), inf_times_zero), nan)
     return Box(lo, hi, nan)
 
 
