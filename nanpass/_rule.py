@@ -217,10 +217,16 @@ def _shape(x):
     return v.shape if isinstance(v, Tensor) else None
 
 
+_NONEMPTY = "a mean over a non-empty selection"
+
+
 def _nonempty_mean(args, kwargs):
     """A mean is NaN only over an empty selection (0 / 0 from no operands at all): a mean
     whose reduced dims all have a (static) size above 0 is safe."""
-    shape = _shape(args[0] if args else kwargs.get("input", kwargs.get("self")))
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    if isinstance(x, Tensor) and x.numel():  # the hot path: every dim is non-empty
+        return _NONEMPTY
+    shape = _shape(x)
     if shape is None:
         return None
     dim = args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else kwargs.get("dim")
@@ -231,7 +237,7 @@ def _nonempty_mean(args, kwargs):
     except (IndexError, TypeError):
         return None
     if all(isinstance(n, int) and n > 0 for n in sizes):
-        return "a mean over a non-empty selection"
+        return _NONEMPTY
     return None
 
 
