@@ -31,11 +31,11 @@ from ._rules import Rule as Rule
 from ._search import SearchFinding as SearchFinding
 from ._search import search as search
 from ._shapes import ShapeError as ShapeError
+from ._shapes import ShapeTable as ShapeTable
+from ._shapes import check_shapes as check_shapes
 from ._spike import SkipSampler as SkipSampler
 from ._spike import SpikeError as SpikeError
 from ._spike import SpikeGuard as SpikeGuard
-from ._shapes import ShapeTable as ShapeTable
-from ._shapes import check_shapes as check_shapes
 from ._stats import GuardWarning as GuardWarning
 from ._stats import Stats as Stats
 from ._stats import stats as stats

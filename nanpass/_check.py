@@ -11,7 +11,6 @@ device per op: a debugging mode, not one to train with.
 from __future__ import annotations
 
 import collections
-
 import contextvars
 import warnings
 from dataclasses import dataclass, field
