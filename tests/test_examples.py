@@ -33,3 +33,6 @@ def test_quickstart_and_report_demo_run():
                          text=True, timeout=300)
     assert res.returncode == 0 and "plain model:    loss nan" in res.stdout, res.stderr[-2000:]
     assert "weights finite: True" in res.stdout
+    # docs/quickstart.md shows the demo's output as it is
+    shown = (ROOT / "docs" / "quickstart.md").read_text().split("```text\n", 1)[1].split("```", 1)[0]
+    assert shown.strip() == res.stdout.strip(), "update docs/quickstart.md from examples/quickstart.py"
