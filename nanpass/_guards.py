@@ -241,7 +241,6 @@ def clip(x: Tensor, lo: float | None, hi: float | None) -> Tensor:
     return x
 
 
-
 def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
             singular: Callable | None = None) -> Callable:
     """fn(clamp(x, lo, hi)) with a finite-gradient fence between clamp and fn (the exp family,
