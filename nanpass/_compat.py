@@ -406,8 +406,11 @@ def _functorch_active():
     return torch._C._are_functorch_transforms_active
 
 
-def functorch_active() -> bool:
-    return _functorch_active()()
+try:  # read once: the fence's backward asks on every call
+    functorch_active = _functorch_active()
+except AttributeError:  # recorded in MISSING; without torch.func there is no transform
+    def functorch_active() -> bool:
+        return False
 
 
 def _no_torch_function(relevant_args) -> bool:
@@ -498,12 +501,13 @@ def _pytree():
     return tree_flatten, tree_unflatten
 
 
-def tree_flatten(tree):
-    return _pytree()[0](tree)
+try:  # SpikeGuard flattens every step's batch: bound once
+    tree_flatten, tree_unflatten = _pytree()
+except ImportError:  # recorded in MISSING: SpikeGuard raises naming it
+    def tree_flatten(*args):
+        require("pytree", "SpikeGuard")
 
-
-def tree_unflatten(leaves, spec):
-    return _pytree()[1](leaves, spec)
+    tree_unflatten = tree_flatten
 
 
 @entry("op_schema", "OpOverload._schema (arguments' alias_info) and ._overloadname")

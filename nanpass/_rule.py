@@ -199,22 +199,23 @@ def _nonzero_divisor(args, kwargs):
     return None
 
 
-def _dtype(x) -> torch.dtype | None:
-    """The dtype of a tensor operand, or of a graph node's recorded value."""
+def _value(x) -> Tensor | None:
+    """A tensor operand, or a graph node's recorded value (None for anything else)."""
     if isinstance(x, Tensor):
-        return x.dtype
+        return x
     meta = getattr(x, "meta", None)
     v = meta.get("example_value", meta.get("val")) if isinstance(meta, dict) else None
-    return v.dtype if isinstance(v, Tensor) else None
+    return v if isinstance(v, Tensor) else None
+
+
+def _dtype(x) -> torch.dtype | None:
+    v = _value(x)
+    return None if v is None else v.dtype
 
 
 def _shape(x):
-    """The shape of a tensor operand, or of a graph node's recorded value."""
-    if isinstance(x, Tensor):
-        return x.shape
-    meta = getattr(x, "meta", None)
-    v = meta.get("example_value", meta.get("val")) if isinstance(meta, dict) else None
-    return v.shape if isinstance(v, Tensor) else None
+    v = _value(x)
+    return None if v is None else v.shape
 
 
 _NONEMPTY = "a mean over a non-empty selection"
