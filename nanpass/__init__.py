@@ -9,6 +9,8 @@ from ._check import NonFiniteError as NonFiniteError
 from ._check import NonFiniteWarning as NonFiniteWarning
 from ._compat import CompatError as CompatError
 from ._config import Config as Config
+from ._enable import Enabled as Enabled
+from ._enable import enable as enable
 from ._errors import CaptureError as CaptureError
 from ._errors import ConfigError as ConfigError
 from ._errors import NanpassError as NanpassError

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import operator
 import weakref
 from collections.abc import Callable
 
@@ -20,8 +21,12 @@ from ._check import flagged
 from ._compat import dynamo_cache_entries, inner_compiler
 from ._config import Config, make_config
 from ._errors import ConfigError
-from ._rewrite import Change, GraphRecord, rewrite, rewrite_and_record, untap
+from ._rewrite import Change, GraphRecord, rewrite_and_record, untap
+from ._rules import CALLS
 from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
+from ._source import module_path, user_frame
+from ._watch import GraphSites, Watch
+from ._watch import inplace as _inplace
 
 OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inner",
            "shape_checks", "dynamic_dims", "count")
@@ -90,6 +95,40 @@ def _inner(name: str, gm: fx.GraphModule, example_inputs):
     return inner_compiler(name)(gm, example_inputs)
 
 
+class _WatchedGraph(fx.Interpreter):
+    """A graph run node by node, each call's result checked as check mode checks an eager
+    call (``_watch.py``), the node's module path and source line naming it."""
+
+    def __init__(self, gm: fx.GraphModule, watch: Watch, sites: GraphSites):
+        super().__init__(gm)
+        self.watch, self.sites = watch, sites
+
+    def run_node(self, n: fx.Node):
+        if n.op not in ("call_function", "call_method"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        func = n.target if n.op == "call_function" else getattr(type(args[0]), n.target, None)
+        if func is None or n.target in _STRUCTURAL:
+            return super().run_node(n)
+        self.sites.at(module_path(n)[0], user_frame(n.meta.get("stack_trace")))
+        hit = CALLS.get(func) if _hashable(func) else None
+        return self.watch.run(func, hit, args, kwargs, _inplace(func))
+
+
+_STRUCTURAL = (operator.getitem,)
+
+
+def _watched_graph(gm: fx.GraphModule, warn: bool):
+    sites = GraphSites()
+    watch = Watch(sites, warn)
+
+    def run(*args):
+        watch.found = False
+        return _WatchedGraph(gm, watch, sites).run(*args)
+
+    return run
+
+
 def compile_graph(
     gm: fx.GraphModule,
     example_inputs,
@@ -103,9 +142,8 @@ def compile_graph(
     inner = inner or config.inner
     sites = [] if config.mode in ("check", "warn") and inner != "eager" else None
     eager = None
-    if sites is not None:  # the same graph with the eager checkers, to name a backward op
-        eager = copy.deepcopy(gm)
-        rewrite(eager, config)
+    if sites is not None:  # the same graph, every node checked, to name the op that fired
+        eager = _watched_graph(copy.deepcopy(gm), config.mode == "warn")
     record = rewrite_and_record(gm, config, "dynamo", example_inputs, sites)
     if config.shape_checks:
         record = _shape_checks(gm, record, config, {} if first_shapes is None else first_shapes)

@@ -13,6 +13,8 @@ import traceback
 
 import torch
 
+from ._check import NonFiniteError
+from ._enable import RUN_MODES, enable
 from ._report import _rel
 
 FORMATS = ("text", "md", "json", "html")
@@ -33,6 +35,18 @@ examples:
 """
 
 
+RUN_HELP = """\
+Run a training script under nanpass with no change to it: every model and the loss code
+around it, in this process's main thread. `torchrun --nproc-per-node 2 -m nanpass run train.py`
+runs it on every rank. torch.compile inside the script compiles with nanpass's backend around
+the backend it names.
+
+  nanpass run train.py --lr 3e-4              # check: stop at the first NaN/Inf, with its line
+  nanpass run --mode guard train.py           # train finite
+  nanpass run --mode count train.py           # at exit: which guards fired, by source line
+"""
+
+
 class CliError(Exception):
     """One line for the user; the traceback only with --debug."""
 
@@ -46,7 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"nanpass {__version__}",
                    help="print the nanpass version and exit")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{report,scan}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,report,scan}")
+    r = sub.add_parser("run", help="run a training script under nanpass, unmodified",
+                       description=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--mode", choices=RUN_MODES, default="check",
+                   help="check (default): stop at the first NaN/Inf born, naming your line; "
+                   "warn: warn instead; guard: guard the unsafe ops and skip non-finite optimizer "
+                   "steps; count: guard, and print which guards fired how often")
+    r.add_argument("--report", metavar="FILE.html", help="write the report of every unsafe op seen")
+    r.add_argument("script", help="the Python script to run")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     for name, text in (("report", "harden the model and print the report of every change"),
                        ("scan", "list the unsafe ops nanpass finds, without changing anything")):
         c = sub.add_parser(name, help=text, description=text + ".", epilog=EPILOG,
@@ -233,8 +256,34 @@ def _format(report, fmt: str, color: bool) -> str:
     return report.to_text(color=color)
 
 
+def run_script(mode: str, report: str | None, script: str, script_args: list[str]) -> int:
+    """``python script.py args`` with nanpass.enable(mode) on; the script's own exit status
+    (1 when it stops on a NonFiniteError, whose traceback ends with the line that made it)."""
+    import runpy
+
+    if not os.path.isfile(script):
+        print(f"nanpass: no such script: {script}", file=sys.stderr)
+        return 2
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    with enable(mode, report=report):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+            return code if isinstance(code, int) else (0 if code is None else 1)
+        except NonFiniteError as e:
+            print(f"{e}\nnanpass run: stopped {script} at the first NaN/Inf it made (above: the op, "
+                  f"your line, its operands); `--mode guard` trains through it", file=sys.stderr)
+            return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    if args.command == "run":
+        return run_script(args.mode, args.report, args.script, args.args)
     try:
         return _run(args)
     except SystemExit as e:  # the target's own exit, anywhere else (certify traces it too)

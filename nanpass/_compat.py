@@ -469,13 +469,65 @@ def function_mode_stack() -> list:
     return _mode_stack()()
 
 
-@entry("tensor_base", "Tensor._base (the tensor a view was taken of)")
+@entry("tensor_base", "Tensor._base (the tensor a view was taken of) and Tensor._is_view")
 def _tensor_base():
-    return Tensor._base
+    return Tensor._base, Tensor._is_view
 
 
 def view_base(t):
     return t._base
+
+
+def is_view(t) -> bool:
+    return t._is_view()
+
+
+# -- the every-op check ----------------------------------------------------------------------
+
+
+@entry("custom_function_node", "a custom autograd.Function's backward node: ._forward_cls "
+       "(the Function class; the node is the ctx its backward takes)")
+def _custom_function_node():
+    class _Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    node = _Probe.apply(torch.ones(1, requires_grad=True)).grad_fn
+    assert node._forward_cls is _Probe
+    return node
+
+
+def custom_function(node):
+    """The Function class whose backward ``node`` runs, or None for a built-in node."""
+    return getattr(node, "_forward_cls", None)
+
+
+@entry("weak_id_dict", "torch.utils.weak.WeakIdKeyDictionary (tensors as weak keys, by identity)")
+def _weak_id_dict():
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary
+
+
+def weak_id_dict():
+    return _weak_id_dict()()
+
+
+@entry("op_overload", "torch._ops.OpOverload and OpOverloadPacket (aten ops a tracer runs "
+       "through the function-mode stack)")
+def _op_overload():
+    return torch._ops.OpOverload, torch._ops.OpOverloadPacket
+
+
+try:  # the global mode passes these through on every call: bound once
+    ATEN_OPS = _op_overload()
+except AttributeError:
+    ATEN_OPS = ()
 
 
 # -- certify, SpikeGuard, the compiled check --------------------------------------------

@@ -19,6 +19,7 @@ from ._rewrite import Change, GraphRecord, summary
 from ._shapes import InputShapes
 from ._stats import warn_fired
 from ._train import quarantine_call
+from ._watch import leaves
 
 
 class Hardened(torch.nn.Module):
@@ -62,6 +63,7 @@ class Hardened(torch.nn.Module):
         sites = self._nanpass_sites
         mode = self._nanpass_config.mode
         if mode in ("check", "warn"):
+            sites.checker.found = False
             check_state(self._nanpass_model, mode == "warn")
             names = list(inspect.signature(self._nanpass_model.forward).parameters)
             for i, a in enumerate(args):
@@ -74,7 +76,14 @@ class Hardened(torch.nn.Module):
             counters = list(sites.counters)  # a first call adds sites
             warn_fired(counters, before + [0] * (len(counters) - len(before)))
             return out
-        return run_guarded(sites, self._nanpass_model, args, kwargs)
+        out = run_guarded(sites, self._nanpass_model, args, kwargs)
+        if sites.checker is not None and not torch.compiler.is_compiling():
+            # never silent: a NaN or Inf that reaches the output is named, made where it may
+            outs = leaves(out)
+            sites.checker.escaped(outs, f"the output of {type(self._nanpass_model).__name__}")
+            if torch.is_grad_enabled():
+                sites.checker.watch_output_grads(outs, "the model's output")
+        return out
 
     # -- module behaviour -------------------------------------------------------------------
     def train(self, mode: bool = True):

@@ -28,12 +28,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _compat, _guards
-from ._check import Site, checked
+from ._check import Site
+from ._compat import ATEN_OPS
 from ._config import Config
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
 from ._rule import cuda_autocast
 from ._rules import CALLS, PY_CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
+from ._watch import Watch
+from ._watch import inplace as _inplace
 
 Tensor = torch.Tensor
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -102,6 +105,19 @@ class Sites:
         self._pending: dict = {}  # site key -> its Counter, until the guard first runs
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
+        # check mode looks at every call, not only the table's (_watch.py)
+        self.checker = Watch(self, config.mode == "warn") if config.mode in ("check", "warn") else None
+
+    def locate(self):
+        """(module, its path, file, line) of the user's frame making the current call."""
+        module, frame = self._where(2)
+        if frame is None:
+            return module, self._path(module), None, None
+        return module, self._path(module), frame.f_code.co_filename, frame.f_lineno
+
+    def mode(self) -> GuardMode:
+        """A mode running calls as this model's call does (check mode: through its watch)."""
+        return GuardMode(self)
 
     # -- where a call comes from ------------------------------------------------------------
     def _path(self, module: torch.nn.Module | None) -> str | None:
@@ -109,7 +125,8 @@ class Sites:
             return ""
         path = self._paths.get(id(module))
         if path is None:  # a module swapped in since the last look: look again
-            self._paths = {id(m): name for name, m in self.model.named_modules()}
+            root = self.model if self.model is not None else _outermost(module)
+            self._paths.update({id(m): name for name, m in root.named_modules()})
             path = self._paths.get(id(module))
         return path
 
@@ -144,7 +161,7 @@ class Sites:
         if swapped:  # 2 / x arrives as x.__rtruediv__(2): guard it as 2 / x
             args = (args[1], args[0], *args[2:])
         if rule.only_dtypes and not _in_dtypes(rule, args):
-            return sp.call(*args, **kwargs)  # not unsafe in this dtype: not looked at
+            return self._as_written(sp, args, kwargs)  # not unsafe in this dtype: not looked at
         if torch.compiler.is_compiling():  # no frames to walk, no site dict to read
             return self._traced(rule, sp, args, kwargs)
         module, frame = self._where(3)
@@ -165,7 +182,7 @@ class Sites:
                 why = "integer/bool/complex operands keep their exact semantics"
         if why is not None:
             self._note(key, rule, sp, module, frame, "left", "", why, args)
-            return sp.call(*args, **kwargs)
+            return self._as_written(sp, args, kwargs)
         change = self._note(key, rule, sp, module, frame, *decision, args)
         if change is not None and key in self._pending:
             counter = self._pending.pop(key)
@@ -178,6 +195,12 @@ class Sites:
                 counter = self._sampled[key] = Counter(change or self._change_of(key))
             return counted(run, counter)(*args, **kwargs)  # a sampled call only: 1 in `watch`
         return run(*args, **kwargs)
+
+    def _as_written(self, sp: Spelling, args, kwargs):
+        """A call left as written: in check mode still watched, as every call is."""
+        if self.checker is None or torch.compiler.is_compiling():
+            return sp.call(*args, **kwargs)
+        return self.checker.run(sp.call, None, args, kwargs, sp.inplace)
 
     def _traced(self, rule: Rule, sp: Spelling, args, kwargs):
         """Under dynamo: the guard built afresh from the rule and the config alone, so a
@@ -234,17 +257,13 @@ class Sites:
     def _make_run(self, key, rule: Rule, sp: Spelling, module, frame, args=()):
         cfg = self.config
         action = self._decision(rule, module)
-        if action[0] == "left":
+        if action[0] == "left" and self.checker is None:
             run = sp.call
-        elif action[0] == "checked":
-            site = self._site(rule, sp, module, frame)
-            warn = cfg.mode == "warn"
+        elif action[0] in ("left", "checked"):  # check mode: every call, watched
+            watch, hit = self.checker, ((rule, sp, False) if action[0] == "checked" else None)
 
             def run(*args, **kwargs):
-                if sp.inplace:
-                    operand = (args[0].clone(), *args[1:])
-                    return args[0].copy_(checked(sp.outplace, operand, kwargs, site, warn))
-                return checked(sp.call, args, kwargs, site, warn)
+                return watch.run(sp.call, hit, args, kwargs, sp.inplace)
         else:
             run = make_guard(rule, sp, cfg.consts(rule.name) if rule.constants else None)
             if cfg.count and key is not None:
@@ -285,6 +304,20 @@ class Sites:
             if action == "guarded":
                 self._changes_by_key[key] = change
             return change
+
+
+def _outermost(module: torch.nn.Module) -> torch.nn.Module:
+    """nanpass.enable has no model: a module's path is taken in the outermost module whose
+    code is running (the model the program called)."""
+    root = module
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_argcount and f.f_code.co_varnames[0] == "self":
+            obj = f.f_locals.get("self")
+            if isinstance(obj, torch.nn.Module):
+                root = obj
+        f = f.f_back
+    return root
 
 
 def _source(frame) -> tuple[str | None, str | None]:
@@ -356,6 +389,9 @@ class GuardMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         hit = _hit(func)
+        watch = self.sites.checker
+        if watch is not None and not torch.compiler.is_compiling():
+            return _watched(watch, self.sites, func, hit, args, kwargs or {})
         if hit is not None:
             rule = hit[0]
             if rule.only_dtypes and not hit[2] and not _in_dtypes(rule, args):
@@ -366,6 +402,35 @@ class GuardMode(TorchFunctionMode):
         if isinstance(func, types.FunctionType):
             return _as_called(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+# calls check mode runs as called and does not look at: attribute reads and writes (``x.grad``
+# reads a gradient, it makes nothing), printing, and aten ops a tracer runs under the mode
+_UNWATCHED = frozenset(("__get__", "__set__", "__repr__", "__format__", "__str__", "__len__",
+                        "__bool__", "item", "tolist", "numpy", "backward", "dim", "size", "stride",
+                        "data_ptr", "is_floating_point", "requires_grad_", "register_hook",
+                        "retain_grad", "detach_", "__reduce_ex__", "__deepcopy__",
+                        # uninitialised memory: whatever bits it holds are not made by the program
+                        "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"))
+
+
+def _watched(watch: Watch, sites: Sites, func, hit, args, kwargs):
+    """Check mode: every call runs as called and its result is checked; a call the table
+    names also records its site for the report."""
+    name = getattr(func, "__name__", None)
+    if name == "backward" and args and isinstance(args[0], Tensor):  # loss.backward()
+        watch.escaped([args[0]], "the loss")
+        try:
+            return func(*args, **kwargs)
+        finally:
+            watch.found = False  # the next step starts afresh
+    if isinstance(func, ATEN_OPS) or name in _UNWATCHED:
+        return func(*args, **kwargs)
+    if hit is not None and (not hit[0].only_dtypes or hit[2] or _in_dtypes(hit[0], args)):
+        return sites.call(hit, args, kwargs)
+    if isinstance(func, types.FunctionType):  # a torch composite written in Python: one call
+        return watch.run(lambda *a, **k: _as_called(func, a, k), None, args, kwargs, False, func)
+    return watch.run(func, None, args, kwargs, _inplace(func))
 
 
 def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):

@@ -131,6 +131,11 @@ class Rule:
     # CUDA autocast runs the op in float32 (torch's amp lists: layer_norm, pow, ...): under it
     # a float16 operand is not computed in float16, and the dtype's hazard is not there
     autocast_float32: bool = False
+    # operand values where the op is infinite on purpose (log(0), x / 0): check mode reads an
+    # Inf made there as a pole, quiet until it turns into NaN or escapes, and any other Inf
+    # from finite operands as an overflow, named at once
+    poles: tuple[float, ...] = ()
+    pole_operand: int = 0  # which operand the poles are values of (1: the divisor)
 
     @property
     def guarded(self) -> bool:

@@ -59,6 +59,7 @@ RULES: tuple[Rule, ...] = (
     # -- guarded ----------------------------------------------------------------------------
     Rule(
         "div", g.div,
+        poles=(0.0,), pole_operand=1,
         reason="divisor can be 0, or the quotient can overflow",
         action="0 where the divisor is 0, +-sat where the quotient overflows; non-finite gradients become 0",
         functions=("torch.div", "torch.divide", "torch.true_divide"),
@@ -70,6 +71,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "reciprocal", g.reciprocal,
+        poles=(0.0,),
         reason="1/0 is inf",
         action="0 where the operand is 0, +-sat on overflow; non-finite gradients become 0",
         functions=("torch.reciprocal",), methods=("reciprocal",), inplace=True,
@@ -77,6 +79,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "log", g.clamped("lo", "hi", open_at=0.0),
+        poles=(0.0,),
         reason="log of 0 is -inf, of a negative number NaN",
         action="an operand <= 0 read as tiny, +inf as max (a subnormal keeps its own finite log)",
         functions=("torch.log",), methods=("log",), inplace=True, constants=TINY_MAX,
@@ -84,6 +87,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "log2", g.clamped("lo", "hi", open_at=0.0),
+        poles=(0.0,),
         reason="log2 of 0 is -inf, of a negative number NaN",
         action="an operand <= 0 read as tiny, +inf as max (a subnormal keeps its own finite log2)",
         functions=("torch.log2",), methods=("log2",), inplace=True, constants=TINY_MAX,
@@ -91,6 +95,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "log10", g.clamped("lo", "hi", open_at=0.0),
+        poles=(0.0,),
         reason="log10 of 0 is -inf, of a negative number NaN",
         action="an operand <= 0 read as tiny, +inf as max (a subnormal keeps its own finite log10)",
         functions=("torch.log10",), methods=("log10",), inplace=True, constants=TINY_MAX,
@@ -98,6 +103,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "log1p", g.clamped("lo", "hi"),
+        poles=(-1.0,),
         reason="log1p of -1 is -inf, below -1 NaN",
         action="operand clamped to [next float above -1, max]",
         functions=("torch.log1p", "torch.special.log1p"), methods=("log1p",), inplace=True,
@@ -114,6 +120,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "rsqrt", g.clamped("lo", None, open_at=0.0),
+        poles=(0.0,),
         reason="rsqrt of 0 is inf, of a negative number NaN",
         action="an operand <= 0 read as tiny (rsqrt(+inf) = 0 and a subnormal's finite rsqrt are the original's)",
         functions=("torch.rsqrt",), methods=("rsqrt",), inplace=True,
@@ -122,6 +129,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "pow", g.pow_,
+        poles=(0.0,),
         reason="fractional power of a negative base is NaN, a negative power of 0 inf, "
         "x**g with g < 1 has an infinite gradient at 0, and large powers overflow",
         action="base clamped into the exponent's finite domain (for a negative power: where the "
@@ -219,6 +227,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "atanh", g.clamped("lo", "hi"),
+        poles=(-1.0, 1.0),
         reason="atanh of +-1 is +-inf, outside [-1, 1] NaN",
         action="operand clamped to the floats strictly inside (-1, 1)",
         functions=("torch.atanh", "torch.arctanh"), methods=("atanh", "arctanh"), inplace=True,
@@ -227,6 +236,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "logit", g.logit,
+        poles=(0.0, 1.0),
         reason="logit of 0 or 1 is infinite (and 1 - 1e-8 == 1 in float32)",
         action="an operand <= 0 read as tiny, >= 1 as the next float below 1 (or the user's eps, if tighter)",
         functions=("torch.logit", "torch.special.logit"), methods=("logit",), inplace=True,
@@ -257,6 +267,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "xlogy", g.xlogy, stable=True,
+        poles=(0.0,), pole_operand=1,
         reason="xlogy(x, 0) is -inf for x != 0",
         action="where the first operand is not 0, a second operand <= 0 read as tiny and +inf as max; "
         "the result saturated",
@@ -410,6 +421,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "erfinv", g.clamped("lo", "hi"),
+        poles=(-1.0, 1.0),
         reason="erfinv of +-1 is +-inf, outside [-1, 1] NaN",
         action="operand clamped to the floats strictly inside (-1, 1)",
         constants={"lo": lambda b: b.above_minus_one, "hi": lambda b: b.below_one},
@@ -440,6 +452,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "lgamma", g.finite_call,
+        poles=(0.0,),
         reason="lgamma, digamma and polygamma have poles at 0, -1, -2, ... (mvlgamma at (p - 1) / 2 "
         "and below): inf values, inf/NaN gradients",
         action="the result saturated; non-finite gradients become 0",
@@ -531,6 +544,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "ndtri", g.finite_call,
+        poles=(0.0, 1.0),
         reason="the inverse normal CDF is -inf at 0 and +inf at 1, NaN outside [0, 1]",
         action="the result saturated at +-sat (NaN to 0); non-finite gradients become 0",
         functions=("torch.special.ndtri",),
@@ -546,6 +560,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "xlog1py", g.finite_call,
+        poles=(-1.0,), pole_operand=1,
         reason="x * log1p(y) is -inf at y = -1, NaN below",
         action="the result saturated; non-finite gradients become 0",
         functions=("torch.special.xlog1py",),

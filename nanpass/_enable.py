@@ -1,0 +1,194 @@
+"""``nanpass.enable``: nanpass for a whole program, every model and the loss code around it,
+with no change to the code (``nanpass run script.py`` is this around ``runpy``).
+
+One mode on the function-mode stack for the process's main thread does what ``harden`` does
+for one model: ``check``/``warn`` look at every call (``_watch.py``), ``guard``/``count`` swap
+the rule table's calls for guards. What it leaves alone: the optimizer's own arithmetic (a
+global step hook pauses the mode), and compiled regions, which ``torch.compile`` hands to
+nanpass's backend wrapped around the backend the script asked for. In ``guard`` and ``count``
+an optimizer step whose gradients are not finite is skipped (its gradients dropped, on every
+rank alike), so the weights stay finite whatever nanpass cannot guard.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.optim.optimizer as optim_hooks
+
+from ._check import COLLECT, NonFiniteError
+from ._compat import foreach_norm
+from ._config import _choices, make_config
+from ._errors import ConfigError, NanpassError
+from ._intercept import GuardMode, Sites
+from ._stats import StatRow, Stats
+
+RUN_MODES = ("check", "warn", "guard", "count")
+_BACKENDS = ("inductor", "aot_eager", "eager")
+_LOCK = threading.Lock()
+_ACTIVE: list[Enabled] = []
+
+
+class _ProgramMode(GuardMode):
+    """GuardMode over a whole program: paused while an optimizer steps."""
+
+    def __init__(self, sites: Sites):
+        super().__init__(sites)
+        self.paused = 0
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        # a compiled region is the backend's to guard or check (torch.compile is wrapped), and
+        # so is its eager re-run that names an op (COLLECT is set while it runs)
+        if self.paused or torch.compiler.is_compiling() or COLLECT.get() is not None:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types_, args, kwargs)
+
+
+class Enabled:
+    """What ``nanpass.enable`` switched on; ``disable()`` (or the end of a ``with``) switches
+    it off. ``skipped`` counts optimizer steps dropped for non-finite gradients."""
+
+    def __init__(self, mode: str, report: str | None, options: dict):
+        if not isinstance(mode, str) or mode not in RUN_MODES:
+            raise ConfigError(f"nanpass: unknown mode {mode!r} for enable/run; valid modes: "
+                              f"{_choices(RUN_MODES)}")
+        self.mode = mode
+        self.report_path = report
+        config = make_config(mode="guard" if mode == "count" else mode, count=mode == "count",
+                             watch=None if mode != "guard" else 100, **options)
+        self.config = config
+        self.sites = Sites(None, config, config.watch)
+        self.skipped = 0
+        self._mode = _ProgramMode(self.sites)
+        self._handles: list = []
+        self._compile = None
+        self._on = False
+
+    # -- on and off ----------------------------------------------------------------------------
+    def _start(self) -> Enabled:
+        with _LOCK:
+            if _ACTIVE:
+                raise NanpassError("nanpass: enable() is already on in this process; disable() "
+                                   "it first (or use it as a context manager)")
+            _ACTIVE.append(self)
+        opt = optim_hooks
+        self._handles = [opt.register_optimizer_step_pre_hook(self._before_step),
+                         opt.register_optimizer_step_post_hook(self._after_step)]
+        self._compile = torch.compile
+        torch.compile = self._compiled
+        self._mode.__enter__()
+        self._on = True
+        return self
+
+    def disable(self) -> None:
+        if not self._on:
+            return
+        self._on = False
+        self._mode.__exit__(None, None, None)
+        torch.compile = self._compile
+        for h in self._handles:
+            h.remove()
+        with _LOCK:
+            _ACTIVE.remove(self)
+        self._finish()
+
+    def __enter__(self) -> Enabled:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.disable()
+
+    # -- the optimizer ---------------------------------------------------------------------------
+    def _before_step(self, optimizer, args, kwargs):
+        self._mode.paused += 1
+        if self.mode in ("guard", "count") and not _finite_grads(optimizer):
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # every torch optimizer skips a parameter with no gradient
+            self.skipped += 1
+            if self.skipped == 1 or self.skipped % 100 == 0:
+                print(f"nanpass: skipped an optimizer step with non-finite gradients "
+                      f"({self.skipped} so far)", file=sys.stderr)
+
+    def _after_step(self, optimizer, args, kwargs):
+        self._mode.paused = max(0, self._mode.paused - 1)
+
+    # -- torch.compile inside the program ---------------------------------------------------------
+    def _compiled(self, model=None, *, backend="inductor", options=None, **kwargs):
+        """``torch.compile`` with nanpass's backend around the one asked for: the compiled
+        region is guarded (or checked) as the eager code around it."""
+        from ._backend import backend as nanpass_backend
+
+        if isinstance(backend, str) and backend in _BACKENDS and not options:
+            mode = "guard" if self.mode == "count" else self.mode
+            backend = nanpass_backend(inner=backend, mode=mode)
+        elif not (isinstance(backend, str) and backend == "nanpass"):
+            print(f"nanpass: torch.compile(backend={backend!r}) runs as asked, unwatched: nanpass "
+                  f"wraps {_choices(_BACKENDS)} (without options=)", file=sys.stderr)
+        if model is None:
+            return lambda m: self._compile(m, backend=backend, options=options, **kwargs)
+        return self._compile(model, backend=backend, options=options, **kwargs)
+
+    # -- at the end ----------------------------------------------------------------------------------
+    def stats(self) -> Stats:
+        """count mode: how often each guard changed values, by source line."""
+        rows = []
+        for c in self.sites.counters:
+            ch = c.change
+            rows.append(StatRow(ch.op, ch.spelling, ch.module, ch.source, c.calls,
+                                int(c.last) if c.last is not None else 0,
+                                int(c.total) if c.total is not None else 0))
+        return Stats(rows)
+
+    def _finish(self) -> None:
+        if self.mode == "count":
+            fired = [r for r in self.stats().rows if r.total]
+            print(f"nanpass: {len(fired)} of {len(self.sites.counters)} guards changed values"
+                  + (":" if fired else ""), file=sys.stderr)
+            if fired:
+                print(str(Stats(fired)), end="", file=sys.stderr)
+        if self.skipped:
+            print(f"nanpass: {self.skipped} optimizer steps skipped for non-finite gradients",
+                  file=sys.stderr)
+        if self.report_path:
+            from ._report import Report
+            from ._rewrite import GraphRecord
+
+            record = GraphRecord("intercept", "", "", list(self.sites.changes), 0.0,
+                                 counters=tuple(self.sites.counters))
+            html = Report("the program (nanpass run)", [record]).to_html()
+            with open(self.report_path, "w") as f:
+                f.write(html)
+
+
+def _finite_grads(optimizer) -> bool:
+    """One fused norm over the step's gradients, agreed by every rank (a sharded gradient is
+    finite on one rank and not on another: all ranks must skip together)."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"]
+             if p.grad is not None and p.grad.is_floating_point()]
+    bad = torch.zeros((), device=grads[0].device if grads else None)
+    if grads:
+        by_device: dict = {}
+        for t in grads:
+            by_device.setdefault((t.device, t.dtype), []).append(t)
+        norms = [n.float().to(bad.device) for ts in by_device.values() for n in foreach_norm(ts)]
+        bad = (~torch.isfinite(torch.stack(norms).sum())).float()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad)
+
+
+def enable(mode: str = "check", *, report: str | None = None, **options) -> Enabled:
+    """Switch nanpass on for the whole program (this process's main thread): every model and
+    the loss code, in ``mode`` "check" (raise at the first NaN/Inf born, naming your line),
+    "warn", "guard" (guard the unsafe ops, skip non-finite optimizer steps) or "count" (guard,
+    and print at the end which guards changed values). Use it as a context manager, or call
+    ``disable()`` on what it returns. ``options`` are harden's (``ops=``, ``exclude_ops=``,
+    ``constants=``)."""
+    return Enabled(mode, report, options)._start()
+
+
+__all__ = ["Enabled", "NonFiniteError", "enable"]

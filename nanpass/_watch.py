@@ -1,0 +1,435 @@
+"""Check mode for every op: the first call of any kind whose result turns NaN, or overflows,
+forward and backward.
+
+The rule table names the ops that *can* make a NaN on their own; a debugging mode has to see
+the rest too (an overflow in a float16 product, ``-inf * 0`` after a mask, a mean of nothing, a
+custom Function's backward). So check mode runs every call as written and looks at its result:
+one reduction per floating result, and more only when that is not finite. In backward, a hook
+on each autograd node the call made compares the gradients it received with those it gave.
+
+An infinity is not always an error: ``masked_fill(mask, -inf)`` and ``mask.log()`` make one on
+purpose, and a softmax that keeps a finite entry in its row lets it die. An Inf made from a
+constant or at one of an op's poles (``log(0)``, ``x / 0``; the rule table's ``poles``) is
+remembered and stays quiet; it is named, with where it was born, when it turns into NaN or
+reaches the output, the loss or a gradient. Any other Inf from finite operands is an overflow,
+never on purpose, and is named at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import math
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from ._check import COLLECT, PROGRESS, Event, Site, _report, _suspicious_row, describe
+from ._compat import custom_function, is_view, view_base, weak_id_dict
+
+Tensor = torch.Tensor
+_HALF = (torch.float16, torch.bfloat16)
+_KEY = "nanpass_watch"  # an autograd node's metadata: the site that made it
+
+_OPERATORS = {
+    "__add__": "+", "__radd__": "+", "__iadd__": "+=", "__sub__": "-", "__rsub__": "-",
+    "__isub__": "-=", "__mul__": "*", "__rmul__": "*", "__imul__": "*=", "__truediv__": "/",
+    "__rtruediv__": "/", "__itruediv__": "/=", "__div__": "/", "__rdiv__": "/",
+    "__matmul__": "@", "__rmatmul__": "@", "__pow__": "**", "__rpow__": "**", "__ipow__": "**=",
+    "__neg__": "unary -", "__floordiv__": "//", "__rfloordiv__": "//", "__mod__": "%",
+}
+_MODULES = {"torch._C._nn": "F", "torch.nn.functional": "F", "torch._C._linalg": "torch.linalg",
+            "torch._C._special": "torch.special", "torch._C._fft": "torch.fft",
+            "torch.functional": "torch", "torch": "torch"}
+
+
+def op_name(func) -> str:
+    """How a user would write the call: ``*``, ``Tensor.masked_fill``, ``F.linear``."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name in _OPERATORS:
+        return _OPERATORS[name]
+    mod = getattr(func, "__module__", None) or ""
+    if mod in ("_operator", "operator") and f"__{name}__" in _OPERATORS:
+        return _OPERATORS[f"__{name}__"]
+    qual = getattr(func, "__qualname__", name)
+    if qual.split(".")[0] in ("TensorBase", "_TensorBase", "Tensor"):
+        return f"Tensor.{name}"
+    prefix = _MODULES.get(mod, mod)
+    return f"{prefix}.{name}" if prefix else name
+
+
+def inplace(func) -> bool:
+    """Whether a call writes into its first operand (``add_``, ``+=``)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or (
+        name.startswith("i") and getattr(func, "__module__", None) in ("_operator", "operator"))
+
+
+def _finite(t: Tensor) -> bool:
+    """One reduction and one read: a sum is finite only if every element is (a half sum is
+    taken in float32; a sum that overflows is looked at again, element by element)."""
+    s = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+    return math.isfinite(s.item()) or bool(torch.isfinite(t).all())
+
+
+def _plain(t) -> bool:
+    """A dense floating tensor whose values can be read here (a subclass such as a DTensor
+    or a FakeTensor is checked by the ops it runs, not read as a whole)."""
+    return (type(t) is Tensor or type(t) is torch.nn.Parameter) and t.is_floating_point() and t.numel() > 0
+
+
+def _tensors(xs, out: list) -> list:
+    for x in xs:
+        if isinstance(x, Tensor):
+            out.append(x)
+        elif isinstance(x, (tuple, list)):
+            _tensors(x, out)
+    return out
+
+
+def _view_of_operand(o: Tensor, args, kwargs) -> bool:
+    base = view_base(o)
+    for t in _tensors((*args, *kwargs.values()), []):
+        if t is base or (is_view(t) and view_base(t) is base):
+            return True
+    return False
+
+
+def leaves(x, out: list | None = None) -> list:
+    """The tensors in a model's output (tuples, lists, dicts, a Hugging Face ModelOutput)."""
+    out = [] if out is None else out
+    if isinstance(x, Tensor):
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            leaves(v, out)
+    elif isinstance(x, Mapping):
+        for v in x.values():
+            leaves(v, out)
+    return out
+
+
+def _nonfinite_number(xs) -> bool:
+    for x in xs:
+        if isinstance(x, float) and not math.isfinite(x):
+            return True
+        if isinstance(x, (tuple, list)) and _nonfinite_number(x):
+            return True
+    return False
+
+
+class _Origin:
+    """Where an infinity was made on purpose (a constant or a pole), and what it was."""
+
+    __slots__ = ("site", "why")
+
+    def __init__(self, site: Site, why: str):
+        self.site, self.why = site, why
+
+    def __str__(self) -> str:
+        return f"{self.why} {self.site}"
+
+
+class _Made:
+    """What an autograd node's backward is named by: the call that made it, kept cheap (the
+    source line is read only when something is reported)."""
+
+    __slots__ = ("op", "spelling", "module", "path", "file", "line", "nonfinite", "fn")
+
+    def __init__(self, op, spelling, module, path, file, line, fn=None):
+        self.op, self.spelling, self.module, self.path = op, spelling, module, path
+        self.file, self.line, self.nonfinite, self.fn = file, line, False, fn
+
+    def site(self, node_name: str) -> Site:
+        source = f"{self.file}:{self.line}" if self.file else None
+        code = linecache.getline(self.file, self.line).strip() or None if self.file else None
+        cls = type(self.module).__name__ if self.module is not None else ""
+        return Site(self.op, self.spelling, self.path or "", cls, source, code)
+
+
+class Watch:
+    """The every-op check of one hardened model (or of ``nanpass.enable``). ``sites`` gives
+    the call site (``_where``) and module paths (``_path``), as for the guards."""
+
+    def __init__(self, sites, warn: bool):
+        self.sites = sites
+        self.warn = warn
+        self.origins = weak_id_dict()  # tensor -> _Origin of the infinity it holds
+        self.found = False  # something was reported since the last reset (warn, locate)
+
+    # -- forward ------------------------------------------------------------------------------
+    def run(self, func, hit, args: tuple, kwargs: dict, inplace: bool = False, named=None):
+        """``func(*args, **kwargs)`` as called, then its result checked (``named``: the
+        callable to name, where ``func`` wraps it)."""
+        first = args[0] if args else None
+        before = None
+        if inplace and isinstance(first, Tensor) and _plain(first):
+            before = _finite(first)  # an in-place op overwrites its operand: look first
+        out = func(*args, **kwargs)
+        func = named or func
+        tick = PROGRESS.get()
+        if tick is not None:
+            tick()
+        if isinstance(out, Tensor):
+            outs = (out,)
+        elif isinstance(out, (tuple, list)):
+            outs = [o for o in out if isinstance(o, Tensor)]
+        else:
+            return out
+        made = None
+        grad = torch.is_grad_enabled()
+        for o in outs:
+            if grad and o.grad_fn is not None and _KEY not in o.grad_fn.metadata:
+                made = made or self._made(func, hit)
+                self._hook(o, args, kwargs, made)
+            if not _plain(o) or (o is not first and is_view(o) and _view_of_operand(o, args, kwargs)):
+                continue  # a view of an operand makes no new value
+            if not _finite(o):
+                self._nonfinite(func, hit, args, kwargs, o, before, made)
+                if made is not None:
+                    made.nonfinite = True
+        return out
+
+    def _made(self, func, hit) -> _Made:
+        module, path, file, line = self.sites.locate()
+        op = hit[0].name if hit is not None else ""
+        return _Made(op, hit[1].name if hit is not None else op_name(func), module, path, file, line)
+
+    def _site_fields(self, func, hit):
+        m = self._made(func, hit)
+        source = f"{m.file}:{m.line}" if m.file else None
+        code = (linecache.getline(m.file, m.line).strip() or None) if m.file else None
+        cls = type(m.module).__name__ if m.module is not None else ""
+        return m.op, m.spelling, m.path or "", cls, source, code
+
+    def _nonfinite(self, func, hit, args, kwargs, o: Tensor, before, made) -> None:
+        inputs = [t for t in _tensors((*args, *kwargs.values()), []) if _plain(t)]
+        if before is not None and inputs and inputs[0] is o:
+            inputs = inputs[1:]
+        in_nan = any(bool(torch.isnan(t).any()) for t in inputs)
+        in_inf = [t for t in inputs if bool(torch.isinf(t).any())]
+        nan = bool(torch.isnan(o).any())
+        if before is False:  # the in-place operand was already non-finite
+            in_inf = in_inf or [o]
+            in_nan = in_nan or nan
+        if nan and not in_nan:
+            origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
+            site = Site(*self._site_fields(func, hit))
+            if in_inf:
+                why = (f"the infinity in its operand was {origin}" if origin is not None else
+                       "the infinity in its operand came from code nanpass did not watch")
+                self._emit("forward", "NaN", site, f"NaN created by {site}\n  from an infinity: {why}",
+                           inputs)
+            else:
+                self._emit("forward", "NaN", site,
+                           f"NaN created by {site}\n  every operand was finite", inputs)
+            return
+        if nan or in_nan:
+            site = None
+            if COLLECT.get() is not None:  # locate's chain: what the NaN went through
+                site = Site(*self._site_fields(func, hit))
+                COLLECT.get().append(Event("forward", "NaN", False, site,
+                                           f"nanpass: NaN passed through {site}"))
+            if not self.found and self._origin(o) is None:  # the last op seen to touch it
+                site = site or Site(*self._site_fields(func, hit))
+                self.origins[o] = _Origin(site, "first seen in an operand of")
+            return
+        if in_inf:  # an infinity travelling on
+            origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
+            if origin is None:  # from the input, or code nanpass did not watch
+                origin = _Origin(Site(*self._site_fields(func, hit)), "first seen in an operand of")
+            self.origins[o] = origin
+            return
+        # an Inf from finite operands: on purpose (a constant, a pole) or an overflow
+        site = Site(*self._site_fields(func, hit))
+        if _nonfinite_number((*args, *kwargs.values())) or not inputs:
+            self.origins[o] = _Origin(site, "made on purpose (an infinite constant) by")
+            return
+        if hit is not None and hit[0].poles:
+            operands = (args[1], args[0], *args[2:]) if hit[2] else args
+            k = hit[0].pole_operand
+            x = operands[k] if k < len(operands) else None
+            if isinstance(x, Tensor) and _plain(x) and x.dim() <= o.dim():
+                at = torch.isin(x, torch.tensor(hit[0].poles, dtype=x.dtype, device=x.device))
+                if bool((torch.isinf(o) & at).any()):
+                    self.origins[o] = _Origin(site, f"made at a pole of {hit[0].name} by")
+                    return
+        self._emit("forward", "Inf", site,
+                   f"Inf created by {site}\n  an overflow past the {str(o.dtype)[6:]} maximum "
+                   f"({torch.finfo(o.dtype).max:.4g}) from finite operands", inputs)
+
+    def _origin(self, t: Tensor) -> _Origin | None:
+        o = self.origins.get(t)
+        if o is None and is_view(t):
+            o = self.origins.get(view_base(t))
+        return o
+
+    def _emit(self, phase, kind, site, text, inputs=(), created=True) -> None:
+        self.found = True
+        operands = tuple(describe(t) for t in inputs)
+        detail = "".join(f"\n  operand {i}: {d}" for i, d in enumerate(operands))
+        message = f"nanpass: {text}{detail}"
+        index = _suspicious_row(inputs[0]) if inputs else None
+        _report(Event(phase, kind, created, site, message, operands, index), self.warn)
+
+    # -- the output and the loss ----------------------------------------------------------------
+    def escaped(self, tensors, what: str) -> None:
+        """A NaN or Inf in ``what`` (the model's output, the loss) is never silent: named with
+        the op that made it, or the infinity's birth."""
+        for t in tensors:
+            if not _plain(t) or _finite(t):
+                continue
+            if bool(torch.isnan(t).any()):
+                if self.found:
+                    return  # its birth was named already (warn mode, locate)
+                origin = self._origin(t)
+                seen = f"\n  it was {origin}" if origin is not None else ""
+                self._emit("forward", "NaN", origin.site if origin is not None else None,
+                           f"NaN in {what}, made by no call nanpass watched (an op that runs "
+                           f"outside it, or data): {describe(t)}{seen}", created=False)
+            else:
+                origin = self._origin(t)
+                born = f"\n  it was {origin}" if origin is not None else ""
+                self._emit("forward", "Inf", origin.site if origin is not None else None,
+                           f"an infinity reaches {what}: {describe(t)}{born}",
+                           created=origin is None)
+            return
+
+    def watch_output_grads(self, tensors, what: str) -> None:
+        """The gradient reaching the output comes from the code after it (the loss)."""
+        for t in tensors:
+            if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point():
+                hook = _OutputGrad(self, what)
+                hook.handle = t.register_hook(hook)
+
+    # -- backward -------------------------------------------------------------------------------
+    def _hook(self, o: Tensor, args, kwargs, made: _Made) -> None:
+        """Hook every autograd node this call made (walking back from its result to its
+        operands'), and an operand's custom Function node, which no call made here."""
+        stop = set()
+        for t in _tensors((*args, *kwargs.values()), []):
+            n = t.grad_fn
+            if n is None:
+                continue
+            stop.add(n)
+            if _KEY not in n.metadata and custom_function(n) is not None:  # a custom Function
+                self._hook_custom(n, made)
+        todo = [o.grad_fn]
+        while todo:
+            n = todo.pop()
+            if n is None or n in stop:
+                continue
+            md = n.metadata
+            if _KEY in md or type(n).__name__ == "AccumulateGrad":
+                continue
+            md[_KEY] = made
+            n.register_hook(_NodeCheck(self, made, type(n).__name__))
+            todo.extend(f for f, _ in n.next_functions)
+
+    def _hook_custom(self, node, near: _Made) -> None:
+        cls = custom_function(node)
+        code = getattr(cls.backward, "__code__", None)
+        made = _Made("", f"{cls.__qualname__}.backward", near.module, near.path,
+                     code.co_filename if code else None, code.co_firstlineno if code else None, cls)
+        node.metadata[_KEY] = made
+        try:
+            ref = weakref.ref(node)
+        except TypeError:
+            ref = lambda n=node: n  # noqa: E731
+        node.register_hook(_NodeCheck(self, made, type(node).__name__, ref))
+
+    def backward(self, made: _Made, name: str, grad_inputs, grad_outputs, node=None) -> None:
+        if torch.is_grad_enabled():  # create_graph: its nodes are checked in the next backward
+            for g in grad_inputs:
+                if isinstance(g, Tensor) and g.grad_fn is not None and _KEY not in g.grad_fn.metadata:
+                    self._hook(g, grad_outputs, {}, made)
+        given = [g for g in grad_inputs if isinstance(g, Tensor) and _plain(g)]
+        if all(_finite(g) for g in given):
+            return
+        received = [g for g in grad_outputs if isinstance(g, Tensor) and _plain(g)]
+        passed = not all(_finite(g) for g in received)
+        if (passed or made.nonfinite) and self.found:
+            return  # passed on, or explained by a NaN/Inf already named
+        if made.fn is not None and node is not None and not passed and self._rerun_custom(made, node, grad_outputs):
+            return
+        site = made.site(name)
+        bad = next(g for g in given if not _finite(g))
+        if passed:
+            text = (f"non-finite gradient reaches the backward of {site}\n  though every gradient "
+                    f"nanpass saw before it was finite: autograd's sum of the gradients flowing "
+                    f"into this value overflowed, or a backward nanpass does not watch made it")
+        elif made.nonfinite:
+            text = (f"non-finite gradient from the backward of {site}\n  whose forward value was "
+                    f"already not finite")
+        else:
+            text = f"non-finite gradient created by the backward of {site}\n  from a finite gradient"
+        self._emit("backward", "non-finite gradient", site,
+                   f"{text}\n  autograd node {name}; the gradient it gave: {describe(bad)}",
+                   created=not passed)
+
+    def _rerun_custom(self, made: _Made, node, grad_outputs) -> bool:
+        """A custom Function's backward made it: run that backward again with every call
+        checked, so the report names the line inside it."""
+        ctx = node()
+        if ctx is None:
+            return False
+        before = self.found
+        try:
+            with torch.no_grad(), self.sites.mode():
+                made.fn.backward(ctx, *grad_outputs)
+        except RuntimeError:
+            return False  # its saved tensors are gone (a second backward): name the method
+        return self.found and not before
+
+
+class _NodeCheck:
+    """A node's post hook: did its backward make the gradient non-finite?"""
+
+    __slots__ = ("watch", "made", "name", "node")
+
+    def __init__(self, watch, made, name, node=None):
+        self.watch, self.made, self.name, self.node = watch, made, name, node
+
+    def __call__(self, grad_inputs, grad_outputs):
+        self.watch.backward(self.made, self.name, grad_inputs, grad_outputs, self.node)
+
+
+class _OutputGrad:
+    """The first gradient to reach an output, from the loss (a later one, in a gradient
+    penalty's second backward, is a gradient of gradients the node checks see)."""
+
+    __slots__ = ("watch", "what", "handle")
+
+    def __init__(self, watch, what):
+        self.watch, self.what, self.handle = watch, what, None
+
+    def __call__(self, grad):
+        self.handle.remove()
+        if _plain(grad) and not _finite(grad):
+            self.watch._emit("backward", "non-finite gradient", None,
+                             f"non-finite gradient reaches {self.what} from the code after it "
+                             f"(the loss): {describe(grad)}")
+
+
+class GraphSites:
+    """Where a node of a captured graph comes from, for a Watch re-running that graph node by
+    node (the compiled check mode's eager re-run): the node's recorded module path and the
+    user's frame of its stack trace."""
+
+    def __init__(self):
+        self.node = None
+        self.where = (None, "", None, None)
+
+    def at(self, path: str, frame: tuple | None) -> None:
+        file, line = None, None
+        if frame is not None:
+            file, _, line = frame[0].rpartition(":")
+            line = int(line) if line.isdigit() else None
+        self.where = (None, path, file or None, line)
+
+    def locate(self):
+        return self.where
+
+    def mode(self):
+        return contextlib.nullcontext()
