@@ -161,7 +161,7 @@ class Sites:
         if swapped:  # 2 / x arrives as x.__rtruediv__(2): guard it as 2 / x
             args = (args[1], args[0], *args[2:])
         if rule.only_dtypes and not _in_dtypes(rule, args):
-            return self._as_written(sp, args, kwargs)  # not unsafe in this dtype: not looked at
+            return self._as_written(rule, sp, args, kwargs)  # not unsafe in this dtype: not looked at
         if torch.compiler.is_compiling():  # no frames to walk, no site dict to read
             return self._traced(rule, sp, args, kwargs)
         module, frame = self._where(3)
@@ -182,7 +182,7 @@ class Sites:
                 why = "integer/bool/complex operands keep their exact semantics"
         if why is not None:
             self._note(key, rule, sp, module, frame, "left", "", why, args)
-            return self._as_written(sp, args, kwargs)
+            return self._as_written(rule, sp, args, kwargs)
         change = self._note(key, rule, sp, module, frame, *decision, args)
         if change is not None and key in self._pending:
             counter = self._pending.pop(key)
@@ -196,11 +196,11 @@ class Sites:
             return counted(run, counter)(*args, **kwargs)  # a sampled call only: 1 in `watch`
         return run(*args, **kwargs)
 
-    def _as_written(self, sp: Spelling, args, kwargs):
+    def _as_written(self, rule: Rule, sp: Spelling, args, kwargs):
         """A call left as written: in check mode still watched, as every call is."""
         if self.checker is None or torch.compiler.is_compiling():
             return sp.call(*args, **kwargs)
-        return self.checker.run(sp.call, None, args, kwargs, sp.inplace)
+        return self.checker.run(sp.call, (rule, sp, False), args, kwargs, sp.inplace)
 
     def _traced(self, rule: Rule, sp: Spelling, args, kwargs):
         """Under dynamo: the guard built afresh from the rule and the config alone, so a
@@ -260,7 +260,7 @@ class Sites:
         if action[0] == "left" and self.checker is None:
             run = sp.call
         elif action[0] in ("left", "checked"):  # check mode: every call, watched
-            watch, hit = self.checker, ((rule, sp, False) if action[0] == "checked" else None)
+            watch, hit = self.checker, (rule, sp, False)
 
             def run(*args, **kwargs):
                 return watch.run(sp.call, hit, args, kwargs, sp.inplace)

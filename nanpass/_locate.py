@@ -25,7 +25,7 @@ class Finding:
     def __str__(self) -> str:
         lines = [f"nanpass.locate: {self.model}"]
         if self.forward is None and self.backward is None:
-            lines.append("  no NaN or Inf found, forward or backward")
+            lines.append("  no NaN or Inf found, forward or backward (every call checked)")
         if self.forward is not None:
             lines.append(f"  forward:  {self.forward.message.removeprefix('nanpass: ')}")
         if self.backward is not None:
@@ -57,8 +57,21 @@ def _suggest(event: Event | None) -> str:
     if event.phase == "state":
         return ("a parameter or buffer is already non-finite: restore a finite checkpoint, and "
                 "skip non-finite optimizer steps (nanpass.StepGuard) so it cannot happen again")
-    rule = BY_NAME[event.site.op]
+    if event.site is None:
+        return ("a NaN or Inf reached the result without an op nanpass watched making it (an op "
+                "that runs outside the model's Python, or data): look at the last op named above")
+    rule = BY_NAME.get(event.site.op)
     where = f"{event.site.spelling} at {event.site.source}" if event.site.source else event.site.spelling
+    if rule is None or not rule.guarded:  # ordinary arithmetic, or an op no guard makes finite
+        if event.kind == "Inf":
+            return (f"an overflow in {where}: keep the operands in range (normalise, scale down, "
+                    f"compute it in float32), or train with nanpass.StepGuard to skip such steps")
+        if "infinity" in event.message:
+            return (f"an infinity made on purpose reaches {where} and turns into NaN there: use a "
+                    f"large finite fill (torch.finfo(dtype).min) instead of -inf, or mask after "
+                    f"the op; the infinity's birth is named above")
+        return (f"{where} makes NaN from finite operands: check the values named above "
+                f"(an empty selection, 0 / 0, inf - inf)")
     operand = f"; its operand turns zero, negative or non-finite{at}" if at else ""
     return (f"guard this {rule.name} ({where}): {rule.reason}{operand}. "
             f"nanpass.harden(model) does: {rule.action}")

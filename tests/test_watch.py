@@ -1,0 +1,352 @@
+"""Check mode sees every call: a NaN or an overflow born in any op, forward or backward, is
+named with the user's line; an infinity made on purpose is quiet until it matters; and a
+non-finite result is never passed in silence (issue 29). ``nanpass.enable`` and
+``nanpass run`` do the same for a whole program."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanpass
+from nanpass._cli import main as cli
+
+HERE = __file__
+
+
+def line_of(fn, text: str) -> str:
+    """``test_watch.py:N`` of the line in ``fn``'s source that contains ``text``."""
+    lines, first = inspect.getsourcelines(fn)
+    for i, line in enumerate(lines):
+        if text in line:
+            return f"test_watch.py:{first + i}"
+    raise AssertionError(f"{text!r} not in {fn.__qualname__}")
+
+
+# -- the three snippets of the issue ------------------------------------------------------------
+
+
+class MaskedEntropy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        h = self.l(x).masked_fill(mask, -math.inf)  # a padding mask
+        z = h - h.logsumexp(-1, keepdim=True)
+        return -(z * z.softmax(-1)).sum(-1)  # -inf * 0 -> NaN
+
+
+def _masked_inputs():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[0, 1:] = True  # row 0 keeps one entry: -inf * 0 in the product
+    return x, mask
+
+
+def test_an_infinity_made_on_purpose_that_turns_into_nan_names_both_lines():
+    x, mask = _masked_inputs()
+    assert torch.isnan(MaskedEntropy()(x, mask)).any()  # the plain model is NaN, silently
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: NaN created by Tensor.mul ") as e:
+        nanpass.harden(MaskedEntropy(), mode="check")(x, mask)
+    msg = str(e.value)
+    assert line_of(MaskedEntropy.forward, "z * z.softmax") in msg.splitlines()[0]
+    assert "made on purpose" in msg and line_of(MaskedEntropy.forward, "masked_fill") in msg
+
+
+def test_locate_names_a_nan_outside_the_rule_table():
+    x, mask = _masked_inputs()
+    found = nanpass.locate(MaskedEntropy(), x, mask, loss_fn=lambda o: o.sum())
+    assert found.forward is not None and found.forward.kind == "NaN"
+    assert line_of(MaskedEntropy.forward, "z * z.softmax") in found.forward.site.source.replace(HERE, "test_watch.py")
+    assert "nothing to fix" not in str(found)
+
+
+class Overflow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l(x * 1e30) * 1e10
+
+
+def test_an_overflow_in_ordinary_arithmetic_is_named_at_once():
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: Inf created by Tensor.mul ") as e:
+        nanpass.harden(Overflow(), mode="check")(torch.randn(2, 4))
+    assert line_of(Overflow.forward, "1e10") in str(e.value)
+    assert "overflow past the float32 maximum" in str(e.value)
+
+
+# -- every kind of op, forward -------------------------------------------------------------------
+
+
+def _f16_product(x):
+    return (x.half() * 300) * (x.half() * 300)
+
+
+def _f16_sum(x):
+    return (x.half() * 1.5e4).sum()
+
+
+def _matmul(x):
+    return (x * 1e20) @ (x * 1e20).T
+
+
+def _empty_mean(x):
+    return x[x > 100].mean()
+
+
+def _inf_plus_inf_linear(x):
+    lin = nn.Linear(4, 2)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[1.0, -1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]]))
+    return lin(x.masked_fill(torch.tensor([True, True, False, False]), math.inf))
+
+
+def _scatter(x):
+    return torch.zeros(2).index_add(0, torch.tensor([0, 0, 0, 0]), x * 8e37)
+
+
+def _exp(x):
+    return torch.exp(x * 100)
+
+
+BIRTHS = [  # (forward, the op named, NaN or Inf)
+    (_f16_product, r"(Tensor.mul|\*)", "Inf"),
+    (_f16_sum, "Tensor.sum", "Inf"),
+    (_matmul, r"(Tensor.matmul|operator.matmul)", "Inf"),
+    (_empty_mean, "Tensor.mean", "NaN"),
+    (_inf_plus_inf_linear, "F.linear", "NaN"),
+    (_scatter, "Tensor.index_add", "Inf"),
+    (_exp, "torch.exp", "Inf"),
+]
+
+
+class Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("fn,op,kind", BIRTHS, ids=[b[0].__name__.strip("_") for b in BIRTHS])
+@pytest.mark.parametrize("capture", ["harden", "backend"])
+def test_every_kind_of_op_is_named_where_it_makes_the_nan(fn, op, kind, capture):
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    if capture == "harden":
+        model = nanpass.harden(Fn(fn), mode="check")
+    else:
+        model = torch.compile(Fn(fn), backend=nanpass.backend(inner="aot_eager", mode="check"))
+    with pytest.raises(nanpass.NonFiniteError, match=rf"^nanpass: {kind} created by {op} ") as e:
+        model(x)
+    src = inspect.getsource(fn).strip().splitlines()[-1].strip()
+    assert src in str(e.value)  # the user's line, from the frame or the graph's stack trace
+
+
+# -- backward -------------------------------------------------------------------------------------
+
+
+class Spike(torch.autograd.Function):
+    """snnTorch's sigmoid surrogate gradient: exp overflows for a steep slope."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x > 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        e = torch.exp(-100 * x)
+        return g * 100 * e / (1 + e) ** 2
+
+
+class Spiking(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Spike.apply(self.l(x)).sum()
+
+
+def test_a_custom_function_backward_is_checked_to_its_line():
+    m = nanpass.harden(Spiking(), mode="check")
+    loss = m(torch.randn(8, 4) * 100)
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: Inf created by torch.exp ") as e:
+        loss.backward()
+    assert line_of(Spike.backward, "torch.exp") in str(e.value)
+
+
+class MaskedSqrt(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.l(x) * 0  # exactly 0
+        return torch.relu(torch.sqrt(h) - 1).sum()  # relu drops the NaN gradient of sqrt(0)
+
+
+@pytest.mark.parametrize("mode", ["check", "locate"])
+def test_a_backward_nan_a_later_op_masks_is_named(mode):
+    x = torch.randn(2, 4)
+    if mode == "locate":
+        found = nanpass.locate(MaskedSqrt(), x, loss_fn=lambda o: o)
+        assert found.backward is not None and "torch.sqrt" in found.backward.message
+        return
+    loss = nanpass.harden(MaskedSqrt(), mode="check")(x)
+    with pytest.raises(nanpass.NonFiniteError,
+                       match=r"^nanpass: non-finite gradient created by the backward of torch.sqrt ") as e:
+        loss.backward()
+    assert line_of(MaskedSqrt.forward, "torch.sqrt") in str(e.value)
+
+
+def test_a_non_finite_gradient_from_the_loss_is_named_at_the_output():
+    m = nanpass.harden(nn.Linear(4, 2), mode="check")
+    out = m(torch.randn(3, 4))
+    with pytest.raises(nanpass.NonFiniteError, match="^nanpass: non-finite gradient reaches the model's output"):
+        (out * torch.tensor(math.inf)).sum().backward()
+
+
+# -- infinities on purpose ----------------------------------------------------------------------
+
+
+class Intentional(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.l, self.how = nn.Linear(4, 4), how
+
+    def forward(self, x, mask):
+        h = self.l(x)
+        if self.how == "masked_fill":
+            return torch.softmax(h.masked_fill(mask, -math.inf), -1)
+        if self.how == "mask_log":  # AllenNLP's masked_log_softmax
+            return torch.log_softmax(h + (~mask).float().log(), -1).logsumexp(-1)
+        return h.masked_fill(mask, -math.inf).amax(-1)  # a -inf fill before amax
+
+
+@pytest.mark.parametrize("how", ["masked_fill", "mask_log", "amax"])
+def test_infinities_made_on_purpose_that_die_are_quiet(how):
+    x, mask = _masked_inputs()
+    out = nanpass.harden(Intentional(how), mode="check")(x, mask)
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+
+
+def test_an_infinity_that_reaches_the_output_names_its_birth():
+    class Escapes(nn.Module):
+        def forward(self, x, mask):
+            return x.masked_fill(mask, -math.inf)
+
+    x, mask = _masked_inputs()
+    with pytest.raises(nanpass.NonFiniteError, match="^nanpass: an infinity reaches the output") as e:
+        nanpass.harden(Escapes(), mode="check")(x, mask)
+    assert "made on purpose" in str(e.value) and "masked_fill" in str(e.value)
+
+
+def test_a_pole_is_quiet_and_an_overflow_through_the_same_op_is_not():
+    class Div(nn.Module):
+        def forward(self, x, d):
+            return torch.softmax(x / d, -1)  # x / 0 = inf on purpose... then softmax of +inf
+
+    x = torch.tensor([[1.0, 2.0]])
+    with pytest.raises(nanpass.NonFiniteError, match="^nanpass: Inf created by (torch|Tensor).div "):
+        nanpass.harden(Div(), mode="check", ops=[])(x * 1e38, torch.tensor([[1e-3, 1.0]]))
+    with pytest.raises(nanpass.NonFiniteError, match=r"(?s)^nanpass: NaN created by torch.softmax.*pole of div"):
+        nanpass.harden(Div(), mode="check", ops=[])(x, torch.tensor([[0.0, 1.0]]))
+
+
+# -- never silent ---------------------------------------------------------------------------------
+
+
+def test_a_nan_no_watched_op_made_is_still_named_at_the_output():
+    class Aten(nn.Module):
+        def forward(self, x):
+            y = torch.ops.aten.sqrt.default(x)  # an aten op called directly: not looked into
+            return y + 1
+
+    with pytest.raises(nanpass.NonFiniteError, match="^nanpass: NaN in the output of Aten") as e:
+        nanpass.harden(Aten(), mode="check")(torch.tensor([-1.0, 4.0]))
+    assert "first seen in an operand of Tensor.add" in str(e.value)
+    found = nanpass.locate(Aten(), torch.tensor([-1.0, 4.0]))
+    assert found.forward is not None and "nothing to fix" not in str(found)
+
+
+# -- nanpass.enable and nanpass run ----------------------------------------------------------------
+
+
+def _program(x):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    loss = model(x).sum() / (x.sum() - x.sum())  # loss code outside any model
+    return loss
+
+
+def test_enable_checks_the_loss_code_too_and_switches_off():
+    x = torch.randn(2, 4)
+    with pytest.raises(nanpass.NonFiniteError) as e, nanpass.enable(mode="check"):
+        _program(x).backward()
+    assert line_of(_program, "x.sum() - x.sum()") in str(e.value)
+    assert torch.isinf(_program(x)) or torch.isnan(_program(x))  # off again: plain, no error
+
+
+def test_enable_rejects_a_bad_mode_and_a_second_enable():
+    with pytest.raises(nanpass.ConfigError, match="^nanpass: unknown mode 'fix'.*'check', 'warn', 'guard', 'count'"):
+        nanpass.enable(mode="fix")
+    with nanpass.enable(mode="check"), pytest.raises(nanpass.NanpassError, match="^nanpass: enable"):
+        nanpass.enable(mode="guard")
+
+
+def test_enable_guard_skips_a_non_finite_step_and_leaves_the_optimizer_alone():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    b.load_state_dict(a.state_dict())
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (a, b)]
+    x = torch.randn(8, 4)
+    with nanpass.enable(mode="guard") as on:
+        for step in range(3):
+            opts[0].zero_grad()
+            loss = a(x).pow(2).mean() * (math.inf if step == 1 else 1.0)
+            loss.backward()
+            opts[0].step()
+    for step in range(3):  # plain, with the bad step left out by hand
+        if step == 1:
+            continue
+        opts[1].zero_grad()
+        b(x).pow(2).mean().backward()
+        opts[1].step()
+    assert on.skipped == 1
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_nanpass_run_names_the_line_and_count_prints_the_guards(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(3, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(3):\n"
+        "    x = torch.ones(4, 3) * step\n"
+        "    loss = (model(x) / x.sum()).mean()\n"
+        "    opt.zero_grad()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "print('finished')\n")
+    assert cli(["run", str(script)]) == 1
+    err = capsys.readouterr().err
+    # step 0 divides by 0 (a pole, quiet) and the mean carries -inf into the loss
+    assert re.search(r"^nanpass: an infinity reaches the loss", err, re.M)
+    assert re.search(r"made at a pole of div by Tensor.div .*train.py:6", err)
+    assert cli(["run", "--mode", "count", str(script)]) == 0
+    out, err = capsys.readouterr()
+    assert "finished" in out and "train.py:6" in err and "1 of 1 guards changed values" in err
