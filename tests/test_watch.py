@@ -12,7 +12,6 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import nanpass
 from nanpass._cli import main as cli
