@@ -104,14 +104,38 @@ class Enabled:
     # -- the optimizer ---------------------------------------------------------------------------
     def _before_step(self, optimizer, args, kwargs):
         self._mode.paused += 1
-        if self.mode in ("guard", "count") and not _finite_grads(optimizer):
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None  # every torch optimizer skips a parameter with no gradient
-            self.skipped += 1
-            if self.skipped == 1 or self.skipped % 100 == 0:
-                print(f"nanpass: skipped an optimizer step with non-finite gradients "
-                      f"({self.skipped} so far)", file=sys.stderr)
+        # args are step's own, the optimizer first: step(self, closure=None)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:  # Lightning, LBFGS: forward and backward run inside the step
+            wrapped = self._closure(optimizer, closure)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        self._skip_if_non_finite(optimizer)
+        return None
+
+    def _closure(self, optimizer, closure):
+        def run():
+            self._mode.paused -= 1  # the model's own forward and backward: watched
+            try:
+                loss = closure()
+            finally:
+                self._mode.paused += 1
+            self._skip_if_non_finite(optimizer)
+            return loss
+
+        return run
+
+    def _skip_if_non_finite(self, optimizer) -> None:
+        if self.mode not in ("guard", "count") or _finite_grads(optimizer):
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None  # every torch optimizer skips a parameter with no gradient
+        self.skipped += 1
+        if self.skipped == 1 or self.skipped % 100 == 0:
+            print(f"nanpass: skipped an optimizer step with non-finite gradients "
+                  f"({self.skipped} so far)", file=sys.stderr)
 
     def _after_step(self, optimizer, args, kwargs):
         self._mode.paused = max(0, self._mode.paused - 1)
