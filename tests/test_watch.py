@@ -349,3 +349,26 @@ def test_nanpass_run_names_the_line_and_count_prints_the_guards(tmp_path, capsys
     assert cli(["run", "--mode", "count", str(script)]) == 0
     out, err = capsys.readouterr()
     assert "finished" in out and "train.py:6" in err and "1 of 1 guards changed values" in err
+
+
+def test_enable_guard_decides_after_a_steps_closure():
+    """Lightning calls optimizer.step(closure): forward and backward run inside the step, so
+    the skip is decided after the closure, and the closure's calls are watched."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.randn(8, 4)).sum() * math.inf
+        loss.backward()
+        return loss
+
+    with nanpass.enable(mode="guard") as on:
+        opt.step(closure)
+    assert on.skipped == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    with pytest.raises(nanpass.NonFiniteError, match="^nanpass: an infinity reaches the loss"), \
+            nanpass.enable(mode="check"):
+        opt.step(closure)
