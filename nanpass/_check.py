@@ -216,9 +216,14 @@ def check_state(model: torch.nn.Module, warn: bool) -> None:
              if t.is_floating_point() and t.numel()]
     if not named:
         return
-    flags = torch.stack([(~torch.isfinite(t)).any() for _, t in named])
-    if not bool(flags.any()):
+    # one fused norm per device and dtype (a NaN or Inf anywhere makes its norm non-finite)
+    groups: dict = {}
+    for k, (_, t) in enumerate(named):
+        groups.setdefault((t.device, t.dtype), []).append(k)
+    norms = [n.float() for ks in groups.values() for n in foreach_norm([named[k][1] for k in ks])]
+    if bool(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms])).all()):
         return
+    flags = torch.stack([(~torch.isfinite(t)).any() for _, t in named])
     i = int(flags.nonzero()[0, 0])
     name, t = named[i]
     kind = "parameter" if isinstance(t, torch.nn.Parameter) else "buffer"

@@ -31,6 +31,15 @@ from ._compat import custom_function, is_view, view_base, weak_id_dict
 Tensor = torch.Tensor
 _HALF = (torch.float16, torch.bfloat16)
 _KEY = "nanpass_watch"  # an autograd node's metadata: the site that made it
+# autograd nodes whose backward only moves a gradient (a view, a transpose, a slice): it
+# cannot make one non-finite, so they are not hooked (an expand's backward sums: it is)
+_MOVES = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0",
+    "TransposeBackward0", "TransposeBackward1", "PermuteBackward0", "SliceBackward0",
+    "SelectBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+    "UnsqueezeBackward0", "SplitBackward0", "SplitWithSizesBackward0", "UnbindBackward0",
+    "CatBackward0", "StackBackward0", "CloneBackward0", "AliasBackward0", "NegBackward0",
+    "MaskedFillBackward0", "ViewAsRealBackward0", "UnfoldBackward0"})
 
 _OPERATORS = {
     "__add__": "+", "__radd__": "+", "__iadd__": "+=", "__sub__": "-", "__rsub__": "-",
@@ -321,10 +330,14 @@ class Watch:
             if n is None or n in stop:
                 continue
             md = n.metadata
-            if _KEY in md or type(n).__name__ == "AccumulateGrad":
+            if _KEY in md:
+                continue
+            name = type(n).__name__
+            if name == "AccumulateGrad":
                 continue
             md[_KEY] = made
-            n.register_hook(_NodeCheck(self, made, type(n).__name__))
+            if name not in _MOVES:
+                n.register_hook(_NodeCheck(self, made, name))
             todo.extend(f for f, _ in n.next_functions)
 
     def _hook_custom(self, node, near: _Made) -> None:
