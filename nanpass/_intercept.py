@@ -22,6 +22,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -35,7 +36,7 @@ from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
 from ._rule import cuda_autocast
 from ._rules import CALLS, PY_CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
-from ._watch import Watch
+from ._watch import Watch, leaves
 from ._watch import inplace as _inplace
 
 Tensor = torch.Tensor
@@ -107,6 +108,7 @@ class Sites:
         self._lock = threading.Lock()
         # check mode looks at every call, not only the table's (_watch.py)
         self.checker = Watch(self, config.mode == "warn") if config.mode in ("check", "warn") else None
+        self.customs: bool | None = None  # whether its graphs hold custom Function nodes
 
     def locate(self):
         """(module, its path, file, line) of the user's frame making the current call."""
@@ -449,7 +451,10 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
     sites.sampling = sample
     try:
         with mode:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+        if sites.customs is not False and sites.checker is None and torch.is_grad_enabled():
+            _guard_custom_backwards(sites, out)
+        return out
     finally:
         ACTIVE.reset(token)
         if sample:
@@ -458,6 +463,69 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
 
 
 BOUNDARY.add(run_guarded.__code__)
+
+
+def _guard_custom_backwards(sites: Sites, out) -> None:
+    """A custom autograd.Function's backward runs after the hardened call, outside its mode:
+    each such node in the call's graph gets a hook that, only when the backward made a
+    gradient non-finite from a finite one, runs it again with its calls guarded. A model
+    whose first graph has none is not walked again."""
+    todo = [t.grad_fn for t in leaves(out) if isinstance(t, Tensor) and t.grad_fn is not None]
+    if not todo:
+        return
+    seen, found = set(), False
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        cls = _compat.custom_function(n)
+        if cls is not None:
+            found = True
+            if _CUSTOM not in n.metadata:
+                n.metadata[_CUSTOM] = True
+                n.register_hook(_GuardedBackward(sites, cls, n))
+        todo.extend(f for f, _ in n.next_functions)
+    if sites.customs is None:
+        sites.customs = found
+
+
+_CUSTOM = "nanpass_custom_backward"
+
+
+def _finite(t) -> bool:
+    return not isinstance(t, Tensor) or not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
+class _GuardedBackward:
+    """A custom Function node's post hook: its gradients, as they are when finite (and when
+    the gradient it received was not: that passes through, for GradScaler and StepGuard to
+    see); otherwise its backward again under the guards, and what no guard made finite there
+    (the Function's own derivative, overflowing) fenced to 0."""
+
+    def __init__(self, sites: Sites, cls, node):
+        self.sites, self.cls = sites, cls
+        try:
+            self.node = weakref.ref(node)
+        except TypeError:
+            self.node = lambda: node
+
+    def __call__(self, grad_inputs, grad_outputs):
+        if all(_finite(g) for g in grad_inputs) or not all(_finite(g) for g in grad_outputs):
+            return None
+        ctx = self.node()
+        if ctx is None:
+            return None
+        with self.sites.mode():
+            again = self.cls.backward(ctx, *grad_outputs)
+        again = again if isinstance(again, tuple) else (again,)
+        fixed = []
+        for old, new in zip(grad_inputs, again, strict=False):
+            g = new if isinstance(new, Tensor) and old is not None else old
+            if isinstance(g, Tensor) and g.is_floating_point():
+                g = torch.where(torch.isfinite(g), g, torch.zeros((), dtype=g.dtype, device=g.device))
+            fixed.append(g)
+        return (*fixed, *grad_inputs[len(fixed):])
 
 
 def _bind(fn: Callable) -> Callable:

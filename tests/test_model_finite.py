@@ -131,3 +131,54 @@ def test_a_mean_over_an_empty_selection_is_guarded(capture):
     some[0, 0, :2] = True
     want, got = _run(SILogLoss(), some), _run(nanpass.harden(SILogLoss()), some)
     assert all_finite(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+class _Spike(torch.autograd.Function):
+    """snnTorch's sigmoid surrogate gradient (snntorch.surrogate.sigmoid): for a steep slope
+    exp overflows in backward, and inf / inf is NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x > 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        e = torch.exp(-100 * x)
+        return g * 100 * e / (1 + e) ** 2
+
+
+class _Spiking(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Spike.apply(self.l(x)).sum()
+
+
+def test_a_custom_function_backward_is_guarded_under_harden():
+    """The backward of a custom autograd.Function runs after the hardened call: where it turns
+    a finite gradient non-finite it is run again under the guards; on a safe input its
+    gradient bits are the plain model's; a non-finite gradient from upstream passes through."""
+    torch.manual_seed(0)
+    model = _Spiking()
+    safe = nanpass.harden(model)
+    x = torch.randn(8, 4) * 100
+    model(x).backward()
+    assert not torch.isfinite(model.l.weight.grad).all()  # plain: NaN
+    model.zero_grad()
+    safe(x).backward()
+    assert torch.isfinite(model.l.weight.grad).all()
+    assert any(c.spelling == "torch.exp" and c.action == "guarded" for c in safe.changes)
+    x = torch.randn(8, 4) * 0.1
+    model.zero_grad()
+    model(x).backward()
+    plain = model.l.weight.grad.clone()
+    model.zero_grad()
+    safe(x).backward()
+    assert torch.equal(plain, model.l.weight.grad)
+    model.zero_grad()
+    (safe(x) * float("inf")).backward()
+    assert not torch.isfinite(model.l.weight.grad).all()
