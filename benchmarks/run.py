@@ -41,6 +41,23 @@ def mlp():
                          nn.Linear(512, 10), nn.LogSoftmax(-1))
 
 
+class MLPLoss(nn.Module):
+    """A small MLP whose forward computes its own loss, as Hugging Face models return .loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                                 nn.Linear(512, 10))
+
+    def forward(self, x, labels):
+        return nn.functional.nll_loss(nn.functional.log_softmax(self.net(x), -1), labels)
+
+
+def mlp_loss():
+    torch.manual_seed(0)
+    return MLPLoss()
+
+
 def cnn():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -79,7 +96,7 @@ def train_step(model, batch):
     def step():
         model.zero_grad(set_to_none=True)
         out = model(**batch) if isinstance(batch, dict) else model(batch)
-        loss = out.loss if hasattr(out, "loss") else out.float().pow(2).mean()
+        loss = out.loss if hasattr(out, "loss") else out if out.dim() == 0 else out.float().pow(2).mean()
         loss.backward()
 
     return step
@@ -147,8 +164,14 @@ def bench_check_mode(model, batch, repeats):
         with torch.autograd.detect_anomaly(check_nan=True):
             plain()
 
-    t = interleaved({"plain": plain, "check": train_step(checked, batch), "anomaly": anomaly}, repeats)
+    def enabled():  # nanpass run / nanpass.enable: the model and the loss code around it
+        with nanpass.enable(mode="check"):
+            plain()
+
+    t = interleaved({"plain": plain, "check": train_step(checked, batch), "anomaly": anomaly,
+                     "enable": enabled}, repeats)
     return {"plain_ms": t["plain"] * 1e3, "check_ratio": t["check"] / t["plain"],
+            "enable_check_ratio": t["enable"] / t["plain"],
             "detect_anomaly_ratio": t["anomaly"] / t["plain"]}
 
 
@@ -236,6 +259,7 @@ def bench_first_call(layers):
 
 MODELS = {
     "mlp": lambda: (mlp(), torch.randn(64, 256)),
+    "mlp+loss": lambda: (mlp_loss(), {"x": torch.randn(64, 256), "labels": torch.randint(0, 10, (64,))}),
     "cnn": lambda: (cnn(), torch.randn(16, 3, 32, 32)),
     "vae": lambda: (VAE(), torch.randn(64, 256)),
     "transformer-encoder-4L": lambda: (encoder(), torch.randn(8, 64, 128)),
@@ -324,7 +348,8 @@ def main():
               "  train step")
     for name, x in results["check_mode"].items():
         print(f"{name:26} {'check mode':16} {x['plain_ms']:10.2f} {'':11} {x['check_ratio']:7.3f}"
-              f"  detect_anomaly: {x['detect_anomaly_ratio']:.3f}")
+              f"  detect_anomaly: {x['detect_anomaly_ratio']:.3f}; nanpass.enable(check), loss code "
+              f"included: {x['enable_check_ratio']:.3f}")
     for name, x in results.get("compiled", {}).items():
         extra = f", with shape_checks {x['shape_checks_ratio']:.3f}" if "shape_checks_ratio" in x else ""
         print(f"{name:26} {'compiled step':16} {x['inductor_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -101,12 +103,25 @@ def _float_tensors(xs):
             yield from _float_tensors(x)
 
 
+def _user_level() -> int:
+    """The stacklevel of the first frame outside nanpass and torch: a warning names the
+    user's line, as the error's message does."""
+    f, level = sys._getframe(2), 2
+    while f is not None and f.f_code.co_filename.startswith((_HERE, _TORCH)):
+        f, level = f.f_back, level + 1
+    return level if f is not None else 2
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
 def _report(event: Event, warn: bool) -> None:
     sink = COLLECT.get()
     if sink is not None:
         sink.append(event)
     elif warn:
-        warnings.warn(event.message, NonFiniteWarning, stacklevel=3)
+        warnings.warn(event.message, NonFiniteWarning, stacklevel=_user_level())
     else:
         raise NonFiniteError(event.message)
 

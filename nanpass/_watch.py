@@ -240,9 +240,15 @@ class Watch:
                 site = Site(*self._site_fields(func, hit))
                 COLLECT.get().append(Event("forward", "NaN", False, site,
                                            f"nanpass: NaN passed through {site}"))
-            if not self.found and self._origin(o) is None:  # the last op seen to touch it
-                site = site or Site(*self._site_fields(func, hit))
-                self.origins[o] = _Origin(site, "first seen in an operand of")
+            if not self.found:  # where it was first seen, for the output's error
+                nans = [t for t in inputs if bool(torch.isnan(t).any())]
+                origin = next((x for x in map(self._origin, nans) if x is not None), None)
+                if origin is None:
+                    site = site or Site(*self._site_fields(func, hit))
+                    param = any(isinstance(t, torch.nn.Parameter) for t in nans)
+                    origin = _Origin(site, "already in a parameter (an earlier step put it there) "
+                                     "read by" if param else "first seen in an operand of")
+                self.origins[o] = origin
             return
         if in_inf:  # an infinity travelling on
             origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
@@ -322,7 +328,8 @@ class Watch:
             if n is None:
                 continue
             stop.add(n)
-            if _KEY not in n.metadata and custom_function(n) is not None:  # a custom Function
+            cls = custom_function(n)
+            if _KEY not in n.metadata and cls is not None and not cls.__module__.startswith("nanpass."):
                 self._hook_custom(n, made)
         todo = [o.grad_fn]
         while todo:
