@@ -150,9 +150,9 @@ class _Made:
         self.op, self.spelling, self.module, self.path = op, spelling, module, path
         self.file, self.line, self.nonfinite, self.fn = file, line, False, fn
 
-    def site(self, node_name: str) -> Site:
+    def site(self) -> Site:
         source = f"{self.file}:{self.line}" if self.file else None
-        code = linecache.getline(self.file, self.line).strip() or None if self.file else None
+        code = (linecache.getline(self.file, self.line).strip() or None) if self.file else None
         cls = type(self.module).__name__ if self.module is not None else ""
         return Site(self.op, self.spelling, self.path or "", cls, source, code)
 
@@ -205,12 +205,8 @@ class Watch:
         op = hit[0].name if hit is not None else ""
         return _Made(op, hit[1].name if hit is not None else op_name(func), module, path, file, line)
 
-    def _site_fields(self, func, hit):
-        m = self._made(func, hit)
-        source = f"{m.file}:{m.line}" if m.file else None
-        code = (linecache.getline(m.file, m.line).strip() or None) if m.file else None
-        cls = type(m.module).__name__ if m.module is not None else ""
-        return m.op, m.spelling, m.path or "", cls, source, code
+    def _site(self, func, hit) -> Site:
+        return self._made(func, hit).site()
 
     def _nonfinite(self, func, hit, args, kwargs, o: Tensor, before, made) -> None:
         inputs = [t for t in _tensors((*args, *kwargs.values()), []) if _plain(t)]
@@ -224,7 +220,7 @@ class Watch:
             in_nan = in_nan or nan
         if nan and not in_nan:
             origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
-            site = Site(*self._site_fields(func, hit))
+            site = self._site(func, hit)
             if in_inf:
                 why = (f"the infinity in its operand was {origin}" if origin is not None else
                        "the infinity in its operand came from code nanpass did not watch")
@@ -237,14 +233,14 @@ class Watch:
         if nan or in_nan:
             site = None
             if COLLECT.get() is not None:  # locate's chain: what the NaN went through
-                site = Site(*self._site_fields(func, hit))
+                site = self._site(func, hit)
                 COLLECT.get().append(Event("forward", "NaN", False, site,
                                            f"nanpass: NaN passed through {site}"))
             if not self.found:  # where it was first seen, for the output's error
                 nans = [t for t in inputs if bool(torch.isnan(t).any())]
                 origin = next((x for x in map(self._origin, nans) if x is not None), None)
                 if origin is None:
-                    site = site or Site(*self._site_fields(func, hit))
+                    site = site or self._site(func, hit)
                     param = any(isinstance(t, torch.nn.Parameter) for t in nans)
                     origin = _Origin(site, "already in a parameter (an earlier step put it there) "
                                      "read by" if param else "first seen in an operand of")
@@ -253,11 +249,11 @@ class Watch:
         if in_inf:  # an infinity travelling on
             origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
             if origin is None:  # from the input, or code nanpass did not watch
-                origin = _Origin(Site(*self._site_fields(func, hit)), "first seen in an operand of")
+                origin = _Origin(self._site(func, hit), "first seen in an operand of")
             self.origins[o] = origin
             return
         # an Inf from finite operands: on purpose (a constant, a pole) or an overflow
-        site = Site(*self._site_fields(func, hit))
+        site = self._site(func, hit)
         if _nonfinite_number((*args, *kwargs.values())) or not inputs:
             self.origins[o] = _Origin(site, "made on purpose (an infinite constant) by")
             return
@@ -373,7 +369,7 @@ class Watch:
             return  # passed on, or explained by a NaN/Inf already named
         if made.fn is not None and node is not None and not passed and self._rerun_custom(made, node, grad_outputs):
             return
-        site = made.site(name)
+        site = made.site()
         bad = next(g for g in given if not _finite(g))
         if passed:
             text = (f"non-finite gradient reaches the backward of {site}\n  though every gradient "

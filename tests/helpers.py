@@ -62,3 +62,28 @@ def run_two_ranks(worker, out_dir, mode: str, timeout: float = 240) -> None:
         p.kill()
     assert not alive, "a rank hung: deadlock"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+class SigmoidSpike(torch.autograd.Function):
+    """snnTorch's sigmoid surrogate gradient (snntorch.surrogate.sigmoid, slope 100): a 0/1
+    spike forward; in backward exp overflows for a steep slope, and inf / inf is NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x > 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        e = torch.exp(-100 * x)
+        return g * 100 * e / (1 + e) ** 2
+
+
+class Spiking(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return SigmoidSpike.apply(self.l(x)).sum()

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import nanpass
-from tests.helpers import all_finite, forward_backward
+from tests.helpers import Spiking, all_finite, forward_backward
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -133,37 +133,12 @@ def test_a_mean_over_an_empty_selection_is_guarded(capture):
     assert all_finite(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-class _Spike(torch.autograd.Function):
-    """snnTorch's sigmoid surrogate gradient (snntorch.surrogate.sigmoid): for a steep slope
-    exp overflows in backward, and inf / inf is NaN."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return (x > 0).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        e = torch.exp(-100 * x)
-        return g * 100 * e / (1 + e) ** 2
-
-
-class _Spiking(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return _Spike.apply(self.l(x)).sum()
-
-
 def test_a_custom_function_backward_is_guarded_under_harden():
     """The backward of a custom autograd.Function runs after the hardened call: where it turns
     a finite gradient non-finite it is run again under the guards; on a safe input its
     gradient bits are the plain model's; a non-finite gradient from upstream passes through."""
     torch.manual_seed(0)
-    model = _Spiking()
+    model = Spiking()
     safe = nanpass.harden(model)
     x = torch.randn(8, 4) * 100
     model(x).backward()

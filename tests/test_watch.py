@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
 
 import pytest
@@ -15,16 +16,18 @@ import torch.nn as nn
 
 import nanpass
 from nanpass._cli import main as cli
+from tests.helpers import SigmoidSpike, Spiking
 
 HERE = __file__
 
 
 def line_of(fn, text: str) -> str:
-    """``test_watch.py:N`` of the line in ``fn``'s source that contains ``text``."""
+    """``file.py:N`` of the line in ``fn``'s source that contains ``text``."""
     lines, first = inspect.getsourcelines(fn)
+    name = os.path.basename(inspect.getsourcefile(fn))
     for i, line in enumerate(lines):
         if text in line:
-            return f"test_watch.py:{first + i}"
+            return f"{name}:{first + i}"
     raise AssertionError(f"{text!r} not in {fn.__qualname__}")
 
 
@@ -155,36 +158,12 @@ def test_every_kind_of_op_is_named_where_it_makes_the_nan(fn, op, kind, capture)
 # -- backward -------------------------------------------------------------------------------------
 
 
-class Spike(torch.autograd.Function):
-    """snnTorch's sigmoid surrogate gradient: exp overflows for a steep slope."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return (x > 0).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        e = torch.exp(-100 * x)
-        return g * 100 * e / (1 + e) ** 2
-
-
-class Spiking(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return Spike.apply(self.l(x)).sum()
-
-
 def test_a_custom_function_backward_is_checked_to_its_line():
     m = nanpass.harden(Spiking(), mode="check")
     loss = m(torch.randn(8, 4) * 100)
     with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: Inf created by torch.exp ") as e:
         loss.backward()
-    assert line_of(Spike.backward, "torch.exp") in str(e.value)
+    assert line_of(SigmoidSpike.backward, "torch.exp") in str(e.value)
 
 
 class MaskedSqrt(nn.Module):
