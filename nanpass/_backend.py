@@ -140,9 +140,11 @@ def compile_graph(
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
     inner = inner or config.inner
-    sites = [] if config.mode in ("check", "warn") and inner != "eager" else None
+    checking = config.mode in ("check", "warn")
+    sites = [] if checking and inner != "eager" else None
     eager = None
-    if sites is not None:  # the same graph, every node checked, to name the op that fired
+    if checking:  # the same graph, every node checked: to name the op that fired (or, with
+        # inner="eager", to run it: every call checked as it runs, as harden's check mode)
         eager = _watched_graph(copy.deepcopy(gm), config.mode == "warn")
     record = rewrite_and_record(gm, config, "dynamo", example_inputs, sites)
     if config.shape_checks:
@@ -153,7 +155,7 @@ def compile_graph(
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
         probe = tensors[0].device if tensors else torch.device("cpu")
         example_inputs = [*example_inputs, torch.zeros((), device=probe, requires_grad=True)]
-    compiled = _inner(inner, gm, example_inputs)
+    compiled = eager if checking and inner == "eager" else _inner(inner, gm, example_inputs)
     if probe is not None:
         untap(gm)
     if sites is not None:

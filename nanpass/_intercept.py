@@ -127,8 +127,10 @@ class Sites:
             return ""
         path = self._paths.get(id(module))
         if path is None:  # a module swapped in since the last look: look again
-            root = self.model if self.model is not None else _outermost(module)
-            self._paths.update({id(m): name for name, m in root.named_modules()})
+            if self.model is not None:
+                self._paths = {id(m): name for name, m in self.model.named_modules()}
+            else:  # nanpass.enable: every model the program runs, each named from its root
+                self._paths.update({id(m): name for name, m in _outermost(module).named_modules()})
             path = self._paths.get(id(module))
         return path
 

@@ -142,13 +142,13 @@ class Fn(nn.Module):
 
 
 @pytest.mark.parametrize("fn,op,kind", BIRTHS, ids=[b[0].__name__.strip("_") for b in BIRTHS])
-@pytest.mark.parametrize("capture", ["harden", "backend"])
+@pytest.mark.parametrize("capture", ["harden", "aot_eager", "eager"])
 def test_every_kind_of_op_is_named_where_it_makes_the_nan(fn, op, kind, capture):
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
     if capture == "harden":
         model = nanpass.harden(Fn(fn), mode="check")
-    else:
-        model = torch.compile(Fn(fn), backend=nanpass.backend(inner="aot_eager", mode="check"))
+    else:  # the backend: a compiled graph re-run on a hit, or (eager) run, node by node
+        model = torch.compile(Fn(fn), backend=nanpass.backend(inner=capture, mode="check"))
     with pytest.raises(nanpass.NonFiniteError, match=rf"^nanpass: {kind} created by {op} ") as e:
         model(x)
     src = inspect.getsource(fn).strip().splitlines()[-1].strip()
