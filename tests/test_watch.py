@@ -351,3 +351,23 @@ def test_enable_guard_decides_after_a_steps_closure():
     with pytest.raises(nanpass.NonFiniteError, match="^nanpass: an infinity reaches the loss"), \
             nanpass.enable(mode="check"):
         opt.step(closure)
+
+
+class ZeroOverZero(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x / x.sum(-1, keepdim=True)  # a row of zeros: 0 / 0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_a_custom_function_forward_is_checked_to_its_line():
+    class M(nn.Module):
+        def forward(self, x):
+            return ZeroOverZero.apply(x)
+
+    with pytest.raises(nanpass.NonFiniteError, match="^nanpass: NaN created by ") as e:
+        nanpass.harden(M(), mode="check")(torch.zeros(2, 3, requires_grad=True))
+    assert line_of(ZeroOverZero.forward, "0 / 0") in str(e.value)
