@@ -146,12 +146,13 @@ class Enabled:
         region is guarded (or checked) as the eager code around it."""
         from ._backend import backend as nanpass_backend
 
-        if isinstance(backend, str) and backend in _BACKENDS and not options:
+        if isinstance(backend, str) and backend in _BACKENDS and not options and kwargs.get("mode") is None:
             mode = "guard" if self.mode == "count" else self.mode
             backend = nanpass_backend(inner=backend, mode=mode)
         elif not (isinstance(backend, str) and backend == "nanpass"):
-            print(f"nanpass: torch.compile(backend={backend!r}) runs as asked, unwatched: nanpass "
-                  f"wraps {_choices(_BACKENDS)} (without options=)", file=sys.stderr)
+            print(f"nanpass: torch.compile(backend={backend!r}, mode={kwargs.get('mode')!r}) runs as "
+                  f"asked, unwatched: nanpass wraps {_choices(_BACKENDS)} (without options= or "
+                  f"mode=)", file=sys.stderr)
         if model is None:
             return lambda m: self._compile(m, backend=backend, options=options, **kwargs)
         return self._compile(model, backend=backend, options=options, **kwargs)

@@ -371,3 +371,15 @@ def test_a_custom_function_forward_is_checked_to_its_line():
     with pytest.raises(nanpass.NonFiniteError, match="^nanpass: NaN created by ") as e:
         nanpass.harden(M(), mode="check")(torch.zeros(2, 3, requires_grad=True))
     assert line_of(ZeroOverZero.forward, "0 / 0") in str(e.value)
+
+
+def test_enable_puts_nanpass_around_torch_compile_in_the_program(capsys):
+    def f(x):
+        return torch.log(x)
+
+    with nanpass.enable(mode="guard"):
+        guarded = torch.compile(f, backend="eager")(torch.zeros(2))
+        torch.compile(f, backend="inductor", mode="reduce-overhead")  # as asked, and said so
+    assert torch.isfinite(guarded).all()
+    assert "runs as asked, unwatched" in capsys.readouterr().err
+    assert torch.compile is not None and torch.isinf(torch.compile(f, backend="eager")(torch.zeros(2))).all()
