@@ -311,8 +311,7 @@ class Watch:
         """The gradient reaching the output comes from the code after it (the loss)."""
         for t in tensors:
             if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point():
-                hook = _OutputGrad(self, what)
-                hook.handle = t.register_hook(hook)
+                t.register_hook(_OutputGrad(self, what))
 
     # -- backward -------------------------------------------------------------------------------
     def _hook(self, o: Tensor, args, kwargs, made: _Made) -> None:
@@ -415,13 +414,15 @@ class _OutputGrad:
     """The first gradient to reach an output, from the loss (a later one, in a gradient
     penalty's second backward, is a gradient of gradients the node checks see)."""
 
-    __slots__ = ("watch", "what", "handle")
+    __slots__ = ("watch", "what", "done")
 
     def __init__(self, watch, what):
-        self.watch, self.what, self.handle = watch, what, None
+        self.watch, self.what, self.done = watch, what, False
 
     def __call__(self, grad):
-        self.handle.remove()
+        if self.done:  # (not removed while autograd walks the tensor's hooks)
+            return
+        self.done = True
         if _plain(grad) and not _finite(grad):
             self.watch._emit("backward", "non-finite gradient", None,
                              f"non-finite gradient reaches {self.what} from the code after it "
