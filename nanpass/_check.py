@@ -336,9 +336,12 @@ def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device |
             # input it gives and every output's it received (a hook per input cost 4 ms of a
             # 72 ms GPT-2 step)
             slots = [o.output_nr for o in watched]
+            fired = []
 
             def after_node(grad_inputs, grad_outputs):
-                handle.remove()
+                if fired:  # once (it is not removed while autograd runs the node's hooks)
+                    return
+                fired.append(True)
                 verdict(grad_inputs, {k: grad_outputs[nr] for k, nr in enumerate(slots)
                                       if nr < len(grad_outputs) and grad_outputs[nr] is not None}, args)
 
