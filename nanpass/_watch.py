@@ -185,6 +185,8 @@ class Watch:
         elif isinstance(out, (tuple, list)):
             outs = [o for o in out if isinstance(o, Tensor)]
         else:
+            if isinstance(first, Tensor) and _nonfinite_number(args[1:]):  # x[mask] = -inf
+                self.origins[first] = _Origin(self._site(func, hit), "made on purpose (an infinite constant) by")
             return out
         made = None
         grad = torch.is_grad_enabled()

@@ -383,3 +383,16 @@ def test_enable_puts_nanpass_around_torch_compile_in_the_program(capsys):
     assert torch.isfinite(guarded).all()
     assert "runs as asked, unwatched" in capsys.readouterr().err
     assert torch.compile is not None and torch.isinf(torch.compile(f, backend="eager")(torch.zeros(2))).all()
+
+
+def test_an_infinity_written_by_index_is_named_as_made_on_purpose():
+    class Written(nn.Module):
+        def forward(self, x, mask):
+            h = x.clone()
+            h[mask] = -math.inf
+            return h * 0
+
+    x, mask = _masked_inputs()
+    with pytest.raises(nanpass.NonFiniteError, match="^nanpass: NaN created by Tensor.mul") as e:
+        nanpass.harden(Written(), mode="check")(x, mask)
+    assert line_of(Written.forward, "h[mask] = -math.inf") in str(e.value)
