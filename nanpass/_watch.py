@@ -211,7 +211,10 @@ class Watch:
         return self._made(func, hit).site()
 
     def _nonfinite(self, func, hit, args, kwargs, o: Tensor, before, made) -> None:
-        inputs = [t for t in _tensors((*args, *kwargs.values()), []) if _plain(t)]
+        tensors = _tensors((*args, *kwargs.values()), [])
+        inputs = [t for t in tensors if _plain(t)]
+        # made from nothing but numbers (torch.full, torch.tensor): a constant, on purpose
+        constant = not tensors or _nonfinite_number((*args, *kwargs.values()))
         if before is not None and inputs and inputs[0] is o:
             inputs = inputs[1:]
         in_nan = any(bool(torch.isnan(t).any()) for t in inputs)
@@ -220,6 +223,10 @@ class Watch:
         if before is False:  # the in-place operand was already non-finite
             in_inf = in_inf or [o]
             in_nan = in_nan or nan
+        if nan and not in_nan and constant:
+            # a NaN constant (torch.tensor(nan), a NaN fill a nan-reduction ignores): on purpose
+            self.origins[o] = _Origin(self._site(func, hit), "made on purpose (a NaN constant) by")
+            return
         if nan and not in_nan:
             origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
             site = self._site(func, hit)
@@ -256,7 +263,7 @@ class Watch:
             return
         # an Inf from finite operands: on purpose (a constant, a pole) or an overflow
         site = self._site(func, hit)
-        if _nonfinite_number((*args, *kwargs.values())) or not inputs:
+        if constant:
             self.origins[o] = _Origin(site, "made on purpose (an infinite constant) by")
             return
         if hit is not None and hit[0].poles:
