@@ -307,19 +307,22 @@ def test_enable_guard_skips_a_non_finite_step_and_leaves_the_optimizer_alone():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+TRAIN = (
+    "import torch\n"
+    "model = torch.nn.Linear(3, 1)\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    "for step in range(3):\n"
+    "    x = torch.ones(4, 3) * step\n"
+    "    loss = (model(x) / x.sum()).mean()\n"
+    "    opt.zero_grad()\n"
+    "    loss.backward()\n"
+    "    opt.step()\n"
+    "print('finished', bool(torch.isfinite(model.weight).all()))\n")
+
+
 def test_nanpass_run_names_the_line_and_count_prints_the_guards(tmp_path, capsys):
     script = tmp_path / "train.py"
-    script.write_text(
-        "import torch\n"
-        "model = torch.nn.Linear(3, 1)\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "for step in range(3):\n"
-        "    x = torch.ones(4, 3) * step\n"
-        "    loss = (model(x) / x.sum()).mean()\n"
-        "    opt.zero_grad()\n"
-        "    loss.backward()\n"
-        "    opt.step()\n"
-        "print('finished')\n")
+    script.write_text(TRAIN)
     assert cli(["run", str(script)]) == 1
     err = capsys.readouterr().err
     # step 0 divides by 0 (a pole, quiet) and the mean carries -inf into the loss
@@ -327,7 +330,20 @@ def test_nanpass_run_names_the_line_and_count_prints_the_guards(tmp_path, capsys
     assert re.search(r"made at a pole of div by Tensor.div .*train.py:6", err)
     assert cli(["run", "--mode", "count", str(script)]) == 0
     out, err = capsys.readouterr()
-    assert "finished" in out and "train.py:6" in err and "1 of 1 guards changed values" in err
+    assert "finished True" in out and "train.py:6" in err and "1 of 1 guards changed values" in err
+
+
+def test_nanpass_run_warn_goes_on_and_report_names_the_line(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    with pytest.warns(nanpass.NonFiniteWarning) as caught:
+        assert cli(["run", "--mode", "warn", str(script)]) == 0
+    assert "finished False" in capsys.readouterr().out  # warn watches; it does not guard
+    assert all(w.filename == str(script) for w in caught)  # the user's line, not nanpass's
+    report = tmp_path / "r.html"
+    assert cli(["run", "--mode", "guard", "--report", str(report), str(script)]) == 0
+    assert "finished True" in capsys.readouterr().out
+    assert "train.py:6" in report.read_text()
 
 
 def test_enable_guard_decides_after_a_steps_closure():
