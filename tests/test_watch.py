@@ -412,3 +412,19 @@ def test_an_infinity_written_by_index_is_named_as_made_on_purpose():
     with pytest.raises(nanpass.NonFiniteError, match="^nanpass: NaN created by Tensor.mul") as e:
         nanpass.harden(Written(), mode="check")(x, mask)
     assert line_of(Written.forward, "h[mask] = -math.inf") in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "mixtral", "vit"])
+def test_check_mode_is_silent_on_hugging_face_models_that_train_finite(name):
+    """Their attention masks are -inf or finfo.min fills that die in a softmax: a training
+    step in check mode, and under nanpass.enable with the loss code, says nothing."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import build
+
+    model, batch = build(name)
+    out = nanpass.harden(model, mode="check")(**batch)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    model.zero_grad()
+    with nanpass.enable(mode="check"):
+        model(**batch).loss.backward()
