@@ -25,6 +25,7 @@ from ._config import _choices, make_config
 from ._errors import ConfigError, NanpassError
 from ._intercept import GuardMode, Sites
 from ._stats import StatRow, Stats
+from ._train import _local
 
 RUN_MODES = ("check", "warn", "guard", "count")
 _BACKENDS = ("inductor", "aot_eager", "eager")
@@ -192,8 +193,8 @@ class Enabled:
 def _finite_grads(optimizer) -> bool:
     """One fused norm over the step's gradients, agreed by every rank (a sharded gradient is
     finite on one rank and not on another: all ranks must skip together)."""
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"]
-             if p.grad is not None and p.grad.is_floating_point()]
+    grads = [_local(p.grad) for g in optimizer.param_groups for p in g["params"]
+             if p.grad is not None and p.grad.is_floating_point()]  # a DTensor's own shard
     bad = torch.zeros((), device=grads[0].device if grads else None)
     if grads:
         by_device: dict = {}
