@@ -1,11 +1,12 @@
-"""Check mode: name the op where a NaN or an Inf is born, forward and backward.
+"""Check mode's pieces: what a finding is (``Site``, ``Event``, ``NonFiniteError``), the
+input and state checks, and the compiled check (``flagged``: one fused flag per graph, an
+eager re-run only when it fires).
 
-In ``mode="check"`` the rewrite swaps every op of the rule table for a checker that runs the
-original op and raises NonFiniteError at the first op whose result is NaN, or infinite from
-finite operands (an intentional ``-inf`` mask flowing through is not an error). In backward,
-the same op is named when its gradient turns non-finite while the gradient it received was
-finite. ``mode="warn"`` warns instead of raising. Each check reads one flag back from the
-device per op: a debugging mode, not one to train with.
+Eager check mode looks at every call (``_watch.py``). ``checked`` is the per-op checker of
+the rule table's ops that a hardened model traced by dynamo runs (``torch.compile(harden(m,
+mode="check"))``): it raises NonFiniteError at the op whose result is NaN, or infinite from
+finite operands, and in backward where its gradient turns non-finite from a finite one.
+``mode="warn"`` warns instead of raising.
 """
 
 from __future__ import annotations
