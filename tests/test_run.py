@@ -59,8 +59,20 @@ def run(name: str, mode: str, cwd: pathlib.Path):
         cmd = [sys.executable, *launcher, *nanpass]
     else:
         cmd = [sys.executable, *nanpass]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
-                          timeout=180 if name == DDP else 120)
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
+                         timeout=180 if name == DDP else 120)
+    for _ in range(2):
+        if name != DDP or _TEARDOWN not in res.stderr:
+            break
+        # gloo's teardown at interpreter exit, after the script's last line, aborted one rank
+        # (SIGABRT) in 1-2 of 16 runs under load when the script ran through a wrapper (runpy,
+        # or exec in __main__ as pdb does), nanpass or not; never in 16 plain runs. Cause not
+        # found: the run is repeated (twice at most), and the repeat must pass every assertion.
+        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=180)
+    return res
+
+
+_TEARDOWN = "terminate called without an active exception"
 
 
 def messages(stderr: str, name: str) -> str:
