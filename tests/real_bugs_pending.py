@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_real_bugs import (
-    _PAIRS,
     CASES,
     INF,
     Case,
@@ -24,8 +23,6 @@ from tests.test_real_bugs import (
     H,
     _f,
     _lin,
-    _md_pos_safe,
-    _md_pos_trigger,
     _one,
     _selective_scan,
     _state_A,
