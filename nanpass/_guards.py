@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import contextvars
 import numbers
+import types
 from collections.abc import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ._compat import CLAMP_GRAD_AT_BOUNDS, entered, function_apply, functorch_active, view_base
 from ._constants import PowDomain, bounds, memo, pow_domain
@@ -89,10 +91,15 @@ class _Fence(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        # a read that makes no gradient (the shape ``expand_as`` takes) adds nothing, not 0
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad, token_grad):
+        if grad is None:
+            return None
+        if token_grad is None:
+            token_grad = torch.zeros((), dtype=grad.dtype, device=grad.device)
         return _fence_grad(grad, token_grad)
 
 
@@ -523,11 +530,67 @@ def xlogy(fn, args, kwargs, consts, fence):
 # -- composite calls ----------------------------------------------------------------------
 
 
+class _EachRead(TorchFunctionMode):
+    """A torch composite written in Python (``F.normalize``: a norm of its operand, then the
+    operand divided by it) run with a fence on each read of an operand, made just before the
+    call that reads it. One fence before the whole composite would make autograd add the
+    composite's two contributions first and the operand's other uses' after, where the
+    original adds them in the order its nodes run: the last bit of the gradient differs
+    (issue 28, item 3: e3nn's ``F.normalize(vec)`` beside ``vec.norm()``)."""
+
+    def __init__(self, fence, operands: list):
+        super().__init__()
+        self.fence, self.ids = fence, {id(t) for t in operands}
+
+    def _read(self, a):
+        return self.fence(a) if id(a) in self.ids else a
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        args = tuple(self._read(a) for a in args)
+        kwargs = {k: self._read(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+_BODIES: dict = {}
+
+
+def _no_dispatch(*args) -> bool:
+    return False
+
+
+def _body(fn):
+    """``fn``'s own code past its ``has_torch_function*`` checks (``entered``), so the calls it
+    makes reach a mode; None where it has none to skip or cannot be entered."""
+    if fn not in _BODIES:
+        names = {n: _no_dispatch for n in fn.__code__.co_names if n.startswith("has_torch_function")}
+        try:
+            _BODIES[fn] = entered(fn, **names) if names else None
+        except Exception:  # noqa: BLE001 - a composite read otherwise: one fence before it
+            _BODIES[fn] = None
+    return _BODIES[fn]
+
+
+def _each_read(fn, fence):
+    """The body to run with a fence per read: eager, with gradients, ``fn`` a Python function
+    (under dynamo and functorch the composite's reads are one graph's, in the compiler's order)."""
+    if (fence is _no_fence or not isinstance(fn, types.FunctionType)
+            or torch.compiler.is_compiling() or functorch_active()):
+        return None
+    return _body(fn)
+
+
 def finite_call(fn, args, kwargs, consts, fence):
     """Ops whose unsafe set is no simple domain (norms at 0, repeated eigenvalues in eigh/svd
     backward, logdet of a singular matrix, lgamma's poles, overflow of cosh): the op runs on
     the user's operands; a non-finite result saturates (NaN to 0) and a non-finite gradient
     into any floating operand becomes 0. Identity wherever the original is finite."""
+    body = _each_read(fn, fence)
+    if body is not None:
+        operands = [a for a in (*args, *kwargs.values())
+                    if isinstance(a, Tensor) and a.is_floating_point()]
+        with _EachRead(fence, operands):
+            out = body(*args, **kwargs)
+        return finite_all(out)
     fenced = tuple(fence(a) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args)
     kw = {k: fence(v) if isinstance(v, Tensor) and v.is_floating_point() else v
           for k, v in kwargs.items()}

@@ -52,3 +52,51 @@ def test_gaussian_kernel_weights_keep_the_originals_forward():
             out, grads = _run(nanpass.harden(m), x, EDGES, w)
             assert all_finite([g for g in grads if g is not None])
         assert torch.equal(out, ref), capture
+
+
+class _Forces(torch.nn.Module):
+    """An e3nn interatomic potential's edge features, as force-matching models write them:
+    the radial basis from ``vec.norm()``, the angular part from e3nn's spherical harmonics
+    (``normalize=True`` runs ``F.normalize(vec)``), and a vector message ``w * vec`` (PaiNN),
+    all of the same edge vectors."""
+
+    def __init__(self):
+        super().__init__()
+        from e3nn import o3
+
+        self.sh = o3.SphericalHarmonics([1, 2], normalize=True, normalization="component")
+        self.radial = torch.nn.Linear(8, 8)
+
+    def forward(self, pos, src, dst):
+        vec = pos[dst] - pos[src]
+        r = vec.norm(dim=-1, keepdim=True)
+        basis = torch.sin(r * torch.arange(1, 9.0)) / r
+        w = self.radial(basis)
+        return (w * self.sh(vec)).sum() + (w[:, :3] * vec).sum()
+
+
+def test_e3nn_forces_keep_the_originals_gradient_bits():
+    """Issue 28 item 3: ``vec`` fans out into ``F.normalize`` (a norm and a division inside)
+    and ``vec.norm()``; one fence before the whole ``normalize`` made autograd add its two
+    contributions first, and the forces differed from the original's in the last bit. Forces
+    (-dE/dpos) and the parameters' gradients of a loss on them (create_graph) are the original's
+    bit for bit."""
+    torch.manual_seed(0)
+    model = _Forces()
+    src = torch.tensor([0, 1, 2, 3, 4, 5, 0, 2, 1, 4])
+    dst = torch.tensor([1, 2, 3, 4, 5, 0, 3, 5, 4, 0])
+
+    def run(m, pos):
+        m.zero_grad()
+        pos = pos.clone().requires_grad_()
+        energy = m(pos, src, dst)
+        forces, = torch.autograd.grad(energy, pos, create_graph=True)
+        (forces ** 2).sum().backward()
+        return [energy.detach(), forces.detach(), *[p.grad.clone() for p in m.parameters()]]
+
+    hardened = nanpass.harden(model)
+    for seed in range(8):
+        pos = torch.randn(6, 3, generator=torch.Generator().manual_seed(seed))
+        want, got = run(model, pos), run(hardened, pos)
+        for w, g in zip(want, got, strict=True):
+            assert torch.equal(w, g), f"seed {seed}: {(w - g).abs().max()}"
