@@ -104,7 +104,9 @@ HEADROOM = 16  # max / sat
 def bounds(dtype: torch.dtype) -> Bounds:
     fi = torch.finfo(dtype)
 
-    sat = float(fi.max) / HEADROOM  # a power of two: exact in every dtype
+    # the largest power of two whose square is at most max / HEADROOM: a product of two
+    # stand-ins for inf (two saturated guard outputs) keeps the headroom one had
+    sat = 2.0 ** ((math.frexp(float(fi.max) / HEADROOM)[1] - 1) // 2)
 
     def exp_bound(fn: Callable, start: float) -> float:
         return _walk(start, dtype, -math.inf, lambda t: _finite(fn(t)))

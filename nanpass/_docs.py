@@ -32,14 +32,21 @@ and compiled) and property-tested with hypothesis per op family (`tests/test_con
    next to -max keeps its exact answer, and a cosine that rounding puts at 1.001 stays 1.001
    (acos guards its own operand). A guard changes only what the original makes non-finite.
 
-**The model as a whole.** A guard that replaces an overflow (or an infinite operand) does not
-return +-max but +-sat = +-max / 16 (4094 in float16, 2.1e37 in float32; a power of two, so exact), and so do
-the exp family past its overflow point and `pow` for a base moved in from where the power
-overflows. The ordinary op after a guard therefore cannot overflow from the guard's own value:
-`exp(100) * 2`, the sum of three overflowing norms, a saturated float16 linear output plus
-its residual all stay finite (`tests/test_model_finite.py`, every dtype, eager and compiled).
+**The model as a whole.** A guard that replaces an infinity (an overflow, an infinite operand,
+a pole) does not return +-max but +-sat, the stand-in for an infinity: the largest power of two
+whose square is at most max / 16 (32 in float16, 2.3e18 in float32 and bfloat16, 1.7e153 in
+float64; exact), and so do the exp family past its overflow point, `pow` for a base moved in
+from where the power overflows and `rsqrt(0)`. A product of two guard outputs therefore keeps
+the headroom one has (torch_geometric#795: `d[row] * w * d[col]` of two saturated degrees),
+and the ordinary op after a guard cannot overflow from the guard's own value: `exp(100) * 2`,
+the sum of three overflowing norms, a saturated float16 linear output plus its residual all
+stay finite (`tests/test_model_finite.py`, every dtype, eager and compiled;
+`tests/test_rule_contract.py::test_two_stand_ins_multiplied_and_added_stay_finite`, every rule).
 Every finite result of an op is its own, bit for bit (a value that overflowed has no "right"
-finite value; headroom keeps the model finite after it).
+finite value; headroom keeps the model finite after it). Poles whose op's value at the nearest
+safe operand is moderate keep that value (`log(0)` is `log(tiny)`, -87 in float32), not
+-sat: a log feature of zeros feeds a linear layer, whose gradient a stand-in of -2.3e18 would
+blow up.
 
 What stays the model's own arithmetic: finite values whose ordinary sum or product passes max.
 In float32/float64 that needs operands near 1e38 (the census's overflow policy); in float16

@@ -249,7 +249,7 @@ def clip(x: Tensor, lo: float | None, hi: float | None) -> Tensor:
 
 
 def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
-            singular: Callable | None = None) -> Callable:
+            singular: Callable | None = None, pole: int = 0) -> Callable:
     """fn(clamp(x, lo, hi)) with a finite-gradient fence between clamp and fn (the exp family,
     whose derivatives are finite on the clamped domain, needs none: ``overflowing``).
 
@@ -263,7 +263,13 @@ def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
     at 0, acos at +-1). There the op runs on the safe operand and the result is its exact
     value with derivative 0 (the double-where form): no derivative of any order is infinite,
     so second derivatives through a composite (forces from sqrt(sum(d ** 2)) at d = 0, then a
-    loss on the forces) stay finite, where a fence masks only after the first-order inf."""
+    loss on the forces) stay finite, where a fence masks only after the first-order inf.
+
+    ``pole``: the sign of the infinity the op has at ``open_at`` where its value at tiny is
+    past sat (rsqrt(tiny) is 9.2e18 in float32): there the result is +-sat, the stand-in for an
+    infinity, so a product of two such results stays finite (issue 28 item 2). log keeps
+    log(tiny) (-87): a log feature of zeros feeds a linear layer, whose gradient a stand-in of
+    -sat would blow up."""
 
     def impl(fn, args, kwargs, consts, fence):
         x, rest, kw = _unary(args, kwargs)
@@ -276,7 +282,10 @@ def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
             xs = clip(x, low, top)
         _count(lambda: xs != x)
         if singular is None:
-            return fn(fence(xs), *rest, **kw)
+            y = fn(fence(xs), *rest, **kw)
+            if pole and low == bounds(x.dtype).tiny:
+                y = torch.where(x <= open_at, pole * bounds(y.dtype).sat, y)
+            return y
         at, safe, value = singular(xs)
         # the fence still takes a derivative that overflows next to the point (sqrt's second
         # derivative at tiny)
@@ -438,9 +447,13 @@ def pow_(fn, args, kwargs, consts, fence):
 
 
 def finite_operand(fn, args, kwargs, consts, fence):
-    """logsigmoid: -inf gives -max instead of -inf."""
+    """logsigmoid: -inf gives logsigmoid(-sat) (-sat) instead of -inf, NaN that of 0; +inf
+    keeps its own finite -0.0."""
     x, rest, kw = _unary(args, kwargs)
-    return fn(finite(x), *rest, **kw)
+    if x.is_floating_point():
+        _count(lambda: (x == float("-inf")) | torch.isnan(x))
+        x = torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=-bounds(x.dtype).sat)
+    return fn(x, *rest, **kw)
 
 
 def _softmax_dim(fn, rest, kw, x: Tensor):
@@ -481,9 +494,20 @@ def masked_rows(sign: int) -> Callable:
 
 
 def finite_in_out(fn, args, kwargs, consts, fence):
-    """log_softmax: finite operand, and the result saturated (a -inf entry gives -inf there)."""
+    """log_softmax: as ``masked_rows`` moves a softmax's operand (a fully masked row to 0, the
+    uniform limit; +inf to max, the winner; NaN to 0), and a -inf result (a masked entry next to finite
+    ones, whose own entries keep their bits) is -sat, the stand-in for -inf: a -inf entry read
+    as a finite stand-in could outweigh finite entries as low as -max."""
     x, rest, kw = _unary(args, kwargs)
-    return finite(fn(finite(x), *rest, **kw))
+    if not x.is_floating_point() or x.numel() == 0:
+        return finite(fn(x, *rest, **kw))
+    dim = _softmax_dim(fn, rest, kw, x)
+    with torch.no_grad():
+        empty = x.amax(dim, keepdim=True) == float("-inf")
+        empty = empty | (x != x)  # NaN: 0, as a masked row's entries
+    _count(lambda: empty | (x == float("inf")))
+    xs = torch.where(empty, 0.0, torch.where(x == float("inf"), bounds(x.dtype).max, x))
+    return finite(fn(xs, *rest, **kw))
 
 
 def logsumexp(fn, args, kwargs, consts, fence):

@@ -119,10 +119,10 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(0.0, -1.0, 4.0)), operands(tensor(0.25, 1.0, 4.0))),
     ),
     Rule(
-        "rsqrt", g.clamped("lo", None, open_at=0.0),
+        "rsqrt", g.clamped("lo", None, open_at=0.0, pole=1),
         poles=(0.0,),
         reason="rsqrt of 0 is inf, of a negative number NaN",
-        action="an operand <= 0 read as tiny (rsqrt(+inf) = 0 and a subnormal's finite rsqrt are the original's)",
+        action="an operand <= 0 gives sat (the stand-in for inf; rsqrt(+inf) = 0 and a subnormal's finite rsqrt are the original's)",
         functions=("torch.rsqrt",), methods=("rsqrt",), inplace=True,
         constants={"lo": lambda b: b.tiny},
         sample=Sample(operands(tensor(0.0, -1.0, 4.0)), operands(tensor(0.25, 1.0, 4.0))),

@@ -48,10 +48,22 @@ class HalfBlock(nn.Module):
         return h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
 
 
+class TwoGuardsMultiplied(nn.Module):
+    """Issue 28 item 2: the products of two guard outputs, each an infinity's stand-in (an
+    overflowing exp and cosh, a fully masked logsumexp, rsqrt of 0), and a sum of them."""
+
+    def forward(self, x):
+        masked = torch.full_like(x, float("-inf"))
+        return (torch.exp(x) * torch.cosh(x) + torch.logsumexp(masked, 0) * torch.logsumexp(masked, 0)
+                + torch.rsqrt(x - x) * torch.rsqrt(x - x))
+
+
 def _operands(model, dtype):
     big = float(torch.finfo(dtype).max)
     if isinstance(model, ExpTwice):
         return (torch.tensor([100.0, 1e4, 1.0], dtype=dtype, requires_grad=True),)
+    if isinstance(model, TwoGuardsMultiplied):
+        return (torch.tensor([1e4, 1e4, 1e4], dtype=dtype, requires_grad=True),)
     if isinstance(model, NormsSummed):
         return tuple(torch.full((4,), big, dtype=dtype, requires_grad=True) for _ in range(3))
     if isinstance(model, Quotients):
@@ -61,7 +73,7 @@ def _operands(model, dtype):
     return (torch.full((2, 4), 300.0, dtype=dtype, requires_grad=True),)
 
 
-CASES = [pytest.param(m, d, id=f"{m.__name__}-{str(d)[6:]}") for m in (ExpTwice, NormsSummed, Quotients)
+CASES = [pytest.param(m, d, id=f"{m.__name__}-{str(d)[6:]}") for m in (ExpTwice, NormsSummed, Quotients, TwoGuardsMultiplied)
          for d in DTYPES] + [pytest.param(HalfBlock, torch.float16, id="HalfBlock-float16")]
 
 
@@ -80,11 +92,14 @@ def test_the_op_after_a_saturated_guard_stays_finite(cls, dtype, capture):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_headroom_is_exact_and_leaves_finite_results_alone(dtype):
-    """+inf becomes max / 16 (a power of two: exact); a finite result near max is its own."""
+    """+inf becomes sat, a power of two (exact) whose square is at most max / 16 (issue 28 item
+    2: a product of two guard outputs keeps the headroom); a finite result near max is its own."""
     from nanpass._constants import bounds
 
     b = bounds(dtype)
-    assert b.sat == float(torch.finfo(dtype).max) / 16
+    mx = float(torch.finfo(dtype).max)
+    assert b.sat * b.sat <= mx / 16 < (2 * b.sat) ** 2
+    assert b.sat == 2.0 ** round(torch.tensor(b.sat, dtype=torch.float64).log2().item())
     assert float(torch.tensor(b.sat, dtype=dtype)) == b.sat
     x = torch.tensor([b.exp_hi, b.exp_hi + 1, float("inf")], dtype=dtype)
     got = nanpass.harden(ExpOnly())(x)
