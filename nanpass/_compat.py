@@ -507,6 +507,26 @@ def custom_function(node):
     return getattr(node, "_forward_cls", None)
 
 
+@entry("sequence_nr", "torch._C._autograd._get_sequence_nr and autograd Node._sequence_nr (the "
+       "thread's count of autograd nodes made: which nodes a call made)")
+def _sequence_nr():
+    peek = torch._C._autograd._get_sequence_nr
+    before = peek()
+    node = (torch.ones(1, requires_grad=True) * 2).grad_fn
+    assert node._sequence_nr() >= before
+    return peek
+
+
+try:  # read on every hooked guard call
+    sequence_nr = _sequence_nr()
+except (AttributeError, AssertionError):  # recorded in MISSING: such guards fence with a node
+    sequence_nr = None
+
+
+def node_sequence_nr(node) -> int:
+    return node._sequence_nr()
+
+
 @entry("weak_id_dict", "torch.utils.weak.WeakIdKeyDictionary (tensors as weak keys, by identity)")
 def _weak_id_dict():
     from torch.utils.weak import WeakIdKeyDictionary

@@ -34,7 +34,15 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._compat import CLAMP_GRAD_AT_BOUNDS, entered, function_apply, functorch_active, view_base
+from ._compat import (
+    CLAMP_GRAD_AT_BOUNDS,
+    entered,
+    function_apply,
+    functorch_active,
+    node_sequence_nr,
+    sequence_nr,
+    view_base,
+)
 from ._constants import PowDomain, bounds, memo, pow_domain
 
 Tensor = torch.Tensor
@@ -187,6 +195,118 @@ def _each(out, f):
     if type(out) is tuple:
         return tuple(items)
     return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+
+
+class Hooked:
+    """Fences with no node of their own, for a torch composite written in C++ that reads an
+    operand twice (``cosine_similarity``: a norm and a division of each operand), where no mode
+    sees the reads (``_EachRead``): one fence node before it would make autograd add its two
+    contributions first and the operand's other uses' after, where the original adds them in
+    the order its nodes run, and the gradient's last bit differs (issue 28, item 3). The op
+    reads its operands as they are; ``tie`` walks back from the result over the nodes this call
+    made (sequence numbers from ``floor`` on) to those that read a fenced operand, and a post
+    hook there fences that contribution, with the verdict a pre hook on the result's node takes
+    from the gradient arriving there. In a create_graph backward the nodes a reader's backward
+    made are hooked the same way. Only for such composites: an op's own contributions are then
+    summed at the operand past any check, where a fence node checks their sum (div's second
+    derivative at huge operands; docs/architecture.md). Eager only: hooks are Python state."""
+
+    __slots__ = ("edges", "floor")
+
+    def __init__(self):
+        self.edges = {}
+        self.floor = sequence_nr()
+
+    def __call__(self, x):
+        if isinstance(x, Tensor) and x.requires_grad and x.is_floating_point():
+            node = x.grad_fn
+            if node is None:  # a leaf: its accumulator, kept alive by the op's edge to it
+                node = torch.autograd.graph.get_gradient_edge(x).node
+            self.edges[(id(node), x.output_nr if x.grad_fn is not None else 0)] = node
+        return x
+
+    def tie(self, out):
+        if self.edges:
+            _hook_fences(out, self.edges, self.floor)
+        return out
+
+
+def _hook_fences(out, edges: dict, floor: int) -> None:
+    roots = {}
+    for o in out if isinstance(out, tuple) else (out,):
+        node = getattr(o, "grad_fn", None) if isinstance(o, Tensor) else None
+        if node is not None and node_sequence_nr(node) >= floor:
+            roots[id(node)] = node
+    if not roots:
+        return
+    readers, seen, stack = [], set(roots), list(roots.values())
+    while stack:
+        node = stack.pop()
+        at = []
+        for i, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            if (id(nxt), nr) in edges:
+                at.append(i)
+            elif id(nxt) not in seen and floor <= node_sequence_nr(nxt) and nxt.next_functions:
+                seen.add(id(nxt))
+                stack.append(nxt)
+        if at:
+            readers.append((node, frozenset(at)))
+    if not readers:
+        return
+    verdict: dict = {}
+    for key, node in roots.items():
+        node.register_prehook(_take_verdict(verdict, key))
+    for node, at in readers:
+        start = [floor]
+        node.register_prehook(_mark(start))
+        node.register_hook(_fence_reads(verdict, at, edges, start))
+
+
+def _take_verdict(verdict: dict, key: int):
+    def pre(grad_outputs):
+        tokens = [(g.detach() * 0).sum() for g in grad_outputs if g is not None]
+        verdict[key] = sum(tokens[1:], tokens[0]) if tokens else None
+
+    return pre
+
+
+def _mark(start: list):
+    def pre(grad_outputs):
+        start[0] = sequence_nr()
+
+    return pre
+
+
+def _fence_reads(verdict: dict, at: frozenset, edges: dict, start: list):
+    """The reader's gradient into a fenced operand, fenced; in a create_graph backward the
+    nodes that reader's backward made and that read the operand again are hooked the same way
+    (the next order's fence: a gradient penalty, forces trained on)."""
+
+    def post(grad_inputs, grad_outputs):
+        tokens = [t for t in verdict.values() if t is not None]
+        token = sum(tokens[1:], tokens[0]) if tokens else None
+        out = list(grad_inputs)
+        for i in at:
+            if out[i] is not None:
+                out[i] = _fence_read(out[i], token)
+                if out[i].requires_grad:
+                    _hook_fences(out[i], edges, start[0])
+        return tuple(out)
+
+    return post
+
+
+def _fence_read(g: Tensor, token: Tensor | None) -> Tensor:
+    if g.requires_grad and bool(torch.isfinite(g).all()):
+        # a create_graph backward: a node here would be one the original's second-order graph
+        # lacks (its sums run in another order); a finite gradient needs none. One read back,
+        # only where a gradient of a gradient is being built
+        return g
+    if token is None:  # no gradient reached the result's node: nothing came from upstream
+        return torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+    return _fence_grad(g, token.to(g.dtype))
 
 
 def fenced(impl, fn, args, kwargs, consts):
@@ -619,6 +739,19 @@ def finite_call(fn, args, kwargs, consts, fence):
     kw = {k: fence(v) if isinstance(v, Tensor) and v.is_floating_point() else v
           for k, v in kwargs.items()}
     return finite_all(fn(*fenced, **kw))
+
+
+def composite_call(fn, args, kwargs, consts, fence):
+    """``finite_call`` for a torch composite written in C++ that reads an operand twice
+    (``cosine_similarity``, ``poisson_nll_loss``'s ``exp(x) - t * x``): in eager its fences are
+    ``Hooked``, so the autograd graph is the original's node for node; traced and under
+    functorch, ``finite_call``'s. A NaN result (an infinite operand, float16's 0/0) is 0."""
+    if fence is _no_fence or sequence_nr is None or torch.compiler.is_compiling() or functorch_active():
+        return finite_call(fn, args, kwargs, consts, fence)
+    hooked = Hooked()
+    for a in (*args, *kwargs.values()):
+        hooked(a)
+    return hooked.tie(finite_all(fn(*args, **kwargs)))
 
 
 def batch_norm(fn, args, kwargs, consts, fence):

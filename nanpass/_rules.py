@@ -469,7 +469,7 @@ RULES: tuple[Rule, ...] = (
                                                  operands(tensor(0.0, 2.0), 1))}),
     ),
     Rule(
-        "poisson_nll_loss", g.finite_call,
+        "poisson_nll_loss", g.composite_call,
         reason="with log_input=True the loss computes exp(input), which overflows",
         action="the result saturated; non-finite gradients become 0",
         functions=("F.poisson_nll_loss",), modules=("nn.PoissonNLLLoss",),
@@ -603,7 +603,7 @@ RULES: tuple[Rule, ...] = (
         only_dtypes=(torch.float16,),
     ),
     Rule(
-        "cosine_embedding_loss", g.finite_call,
+        "cosine_embedding_loss", g.composite_call,
         reason="float16: the cosine of a zero vector is 0/0 (its eps is 0 there)",
         action="a NaN result becomes 0; non-finite gradients become 0",
         functions=("F.cosine_embedding_loss",),
@@ -625,7 +625,7 @@ RULES: tuple[Rule, ...] = (
                           tensor(1.0, 2.0, shape=(1, 2)), tensor(1.0, 2.0, shape=(1, 2)), 2.0))),
     ),
     Rule(
-        "triplet_margin_loss", g.finite_call,
+        "triplet_margin_loss", g.composite_call,
         reason="distances of equal points have 0/0 gradients (pairwise_distance); overflow past max",
         action="the result saturated; non-finite gradients become 0",
         functions=("F.triplet_margin_loss", "F.triplet_margin_with_distance_loss"),
