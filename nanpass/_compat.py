@@ -384,7 +384,7 @@ def _apply_parts():
 
 
 def function_apply(cls):
-    """``x -> cls.apply(x)`` for one tensor: the C apply (which runs forward and setup_context
+    """``x, *rest -> cls.apply(x, *rest)`` (one tensor, then non-tensors): the C apply (which runs forward and setup_context
     itself) unless a functorch transform is active or ``x`` is a functorch wrapper, where the
     Python wrapper's dispatch is needed. Where torch lacks the C apply, the Python one."""
     slow = cls.apply
@@ -393,10 +393,10 @@ def function_apply(cls):
     c_apply, active, wrapped = _apply_parts()
     fast = c_apply.__get__(None, cls)
 
-    def apply(x):
+    def apply(x, *rest):
         if active() or wrapped(x):
-            return slow(x)
-        return fast(x)
+            return slow(x, *rest)
+        return fast(x, *rest)
 
     return apply
 

@@ -613,20 +613,52 @@ def masked_rows(sign: int) -> Callable:
     return impl
 
 
+class _FiniteRows(torch.autograd.Function):
+    """``finite`` for the rows (along ``dim``) whose largest entry is not finite: -inf as -max,
+    +inf as max, NaN as 0; other rows as they are. Its gradient passes straight through, as
+    ``finite``'s: one autograd node, nothing saved."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, dim):
+        b = bounds(x.dtype)
+        bad = ~torch.isfinite(x.amax(dim, keepdim=True))
+        return torch.where(bad, torch.nan_to_num(x, nan=0.0, posinf=b.max, neginf=-b.max), x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _FiniteRowsJvp(_FiniteRows):
+    @staticmethod
+    def jvp(ctx, tangent, _):
+        return tangent
+
+
+_FINITE_ROWS_EAGER = function_apply(_FiniteRowsJvp)
+
+
 def finite_in_out(fn, args, kwargs, consts, fence):
-    """log_softmax: as ``masked_rows`` moves a softmax's operand (a fully masked row to 0, the
-    uniform limit; +inf to max, the winner; NaN to 0), and a -inf result (a masked entry next to finite
-    ones, whose own entries keep their bits) is -sat, the stand-in for -inf: a -inf entry read
-    as a finite stand-in could outweigh finite entries as low as -max."""
+    """log_softmax: a row whose largest entry is not finite (all -inf, a +inf, a NaN) is read
+    with -inf as -max, +inf as max (the winner) and NaN as 0 (an all -inf row becomes uniform);
+    every other row runs as written, so a -inf entry next to finite ones keeps its neighbours'
+    bits (a finite stand-in for it could outweigh entries as low as -max), and its own -inf
+    result becomes -sat, the stand-in for -inf."""
     x, rest, kw = _unary(args, kwargs)
     if not x.is_floating_point() or x.numel() == 0:
         return finite(fn(x, *rest, **kw))
     dim = _softmax_dim(fn, rest, kw, x)
-    with torch.no_grad():
-        empty = x.amax(dim, keepdim=True) == float("-inf")
-        empty = empty | (x != x)  # NaN: 0, as a masked row's entries
-    _count(lambda: empty | (x == float("inf")))
-    xs = torch.where(empty, 0.0, torch.where(x == float("inf"), bounds(x.dtype).max, x))
+    _count(lambda: ~torch.isfinite(x.amax(dim, keepdim=True)).expand_as(x) & ~torch.isfinite(x))
+    if not x.requires_grad:
+        xs = _FiniteRows.forward(x, dim)
+    else:
+        xs = _FiniteRows.apply(x, dim) if torch.compiler.is_compiling() else _FINITE_ROWS_EAGER(x, dim)
     return finite(fn(xs, *rest, **kw))
 
 

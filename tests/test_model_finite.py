@@ -172,3 +172,30 @@ def test_a_custom_function_backward_is_guarded_under_harden():
     model.zero_grad()
     (safe(x) * float("inf")).backward()
     assert not torch.isfinite(model.l.weight.grad).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_softmax_keeps_the_finite_entries_next_to_a_masked_one(dtype):
+    """A row masked both ways (-inf and finfo.min, as Hugging Face masks): the original's
+    log_softmax is finite on the finfo.min entry (0: it takes all the weight). A finite stand-in
+    for the -inf entry would take it instead; the guard moves only rows whose largest entry is
+    not finite, and the -inf result becomes -sat (issue 28 item 2)."""
+    from nanpass._constants import bounds
+
+    lo = torch.finfo(dtype).min
+    x = torch.tensor([[float("-inf"), lo, lo], [float("-inf"), 1.0, 2.0], [float("-inf")] * 3], dtype=dtype,
+                     requires_grad=True)
+
+    class LogSoftmax(nn.Module):
+        def forward(self, x):
+            return torch.log_softmax(x, -1)
+
+    want = LogSoftmax()(x)
+    got = nanpass.harden(LogSoftmax())(x)
+    finite = torch.isfinite(want)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(got[0, 0], torch.tensor(-bounds(dtype).sat, dtype=dtype))
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got[2].float().exp(), torch.full((3,), 1 / 3), atol=1e-2)  # fully masked: uniform
+    got.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
