@@ -199,8 +199,8 @@ def _each(out, f):
 
 class Hooked:
     """Fences with no node of their own, for a torch composite written in C++ that reads an
-    operand twice (``cosine_similarity``: a norm and a division of each operand), where no mode
-    sees the reads (``_EachRead``): one fence node before it would make autograd add its two
+    operand twice (``poisson_nll_loss``: ``exp(x) - t * x``), where no mode sees the reads
+    (``_EachRead`` does for Python composites): one fence node before it would make autograd add its two
     contributions first and the operand's other uses' after, where the original adds them in
     the order its nodes run, and the gradient's last bit differs (issue 28, item 3). The op
     reads its operands as they are; ``tie`` walks back from the result over the nodes this call
