@@ -147,3 +147,31 @@ def test_siglip_pooling_head_attention_keeps_every_bit(dtype):
     torch._dynamo.reset()
     compiled = torch.compile(safe, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(pixel_values=x).pooler_output, want)
+
+
+def test_reformer_shared_qk_attention_keeps_the_originals_gradient_bits():
+    """Issue 28 item 3 names Reformer's shared-QK (LSH) attention: its rsqrt, logsumexp and exp
+    are guarded and the query-key vectors fan out. In training mode Reformer draws a fresh seed
+    (``torch.seed()``) for every layer's forward, so two plain runs already differ; with the
+    config's ``hash_seed`` a training step of the hardened model is the original's, loss and
+    every gradient bit for bit."""
+    cfg = transformers.ReformerConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        attn_layers=["lsh", "local", "lsh"], axial_pos_embds=False, feed_forward_size=64,
+        max_position_embeddings=64, lsh_attn_chunk_length=8, local_attn_chunk_length=8, num_buckets=4,
+        num_hashes=2, is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, hash_seed=3,
+        pad_token_id=0, eos_token_id=0, bos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.ReformerModelWithLMHead(cfg).train()
+    ids = torch.randint(1, 64, (2, 32))
+
+    def step(m):
+        m.zero_grad()
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        return [loss.detach(), *[p.grad.clone() for p in m.parameters() if p.grad is not None]]
+
+    want, got = step(model), step(nanpass.harden(model))
+    assert len(want) == len(got) > 20
+    assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
