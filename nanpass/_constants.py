@@ -86,9 +86,10 @@ class Bounds:
     dtype: torch.dtype
     tiny: float  # smallest normal: log, rsqrt, xlogy and logit stay finite above it
     max: float  # largest finite
-    # what +-inf (an operand or an overflowing result) becomes: max / 16, not max, so that the
+    # what +-inf (an operand, a pole, an overflowing result) becomes: a power of two whose
+    # square is at most max / 16 (issue 28 item 2: a product of two guard outputs), so that the
     # next ordinary op (a residual add, a product with a factor up to 16, a sum of 16 such
-    # values) stays finite; exp-like guards keep their results within it too
+    # values) stays finite
     sat: float
     eps: float
     below_one: float  # largest value < 1: atanh and logit stay finite below it

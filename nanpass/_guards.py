@@ -62,7 +62,8 @@ def _count(changed: Callable[[], Tensor]) -> None:
 
 
 def _saturate(t: Tensor) -> Tensor:
-    """+-inf to +-sat (max / 16: headroom for the next op), NaN to 0; finite values as they
+    """+-inf to +-sat (the stand-in for an infinity: headroom for the next op, and for a product
+    of two), NaN to 0; finite values as they
     are. Under torch.compile, written with where: inductor's CPU code generator scalarises
     nan_to_num (isnan) and that costs more than the op it guards."""
     b = bounds(t.dtype)
@@ -455,7 +456,7 @@ def at_unit(op: Callable) -> Callable:
 
 def overflowing(hi: str, own: str) -> Callable:
     """exp, exp2, expm1: the operand clamped at ``hi`` (the last value whose result is finite,
-    or the user's tighter bound), and a result that would have overflowed is +sat (max / 16),
+    or the user's tighter bound), and a result that would have overflowed is +sat,
     not max: headroom for the next op (exp(100) * 2 stays finite). Every finite result of the
     original below ``hi`` is its own."""
 
@@ -547,7 +548,7 @@ def pow_(fn, args, kwargs, consts, fence):
         else:
             y = fn(xs, p, *rest, **kw)
         if p < 0 or dom.hi is not None and dom.hi < bounds(x.dtype).max:
-            # a base moved in from where the power overflows: +-sat (max / 16), not +-max,
+            # a base moved in from where the power overflows: +-sat, not +-max,
             # headroom for the next op; a base moved up to 0 (x ** 0.5 of x < 0) gives 0
             y = torch.where(moved, y.sign() * bounds(y.dtype).sat, y)
         if p < 0:

@@ -146,7 +146,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "exp", g.overflowing("hi", "exp_hi"),
         reason="exp overflows to inf",
-        action="operand clamped to at most log(max); a result that would overflow is max / 16",
+        action="operand clamped to at most log(max); a result that would overflow is sat (the stand-in for inf)",
         functions=("torch.exp",), methods=("exp",), inplace=True,
         constants={"hi": lambda b: b.exp_hi},
         sample=Sample(operands(tensor(100000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
@@ -154,7 +154,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "exp2", g.overflowing("hi", "exp2_hi"),
         reason="exp2 overflows to inf",
-        action="operand clamped to at most log2(max); a result that would overflow is max / 16",
+        action="operand clamped to at most log2(max); a result that would overflow is sat (the stand-in for inf)",
         functions=("torch.exp2", "torch.special.exp2"), methods=("exp2",), inplace=True,
         constants={"hi": lambda b: b.exp2_hi},
         sample=Sample(operands(tensor(200000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
@@ -162,7 +162,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "expm1", g.overflowing("hi", "exp_hi"),
         reason="expm1 overflows to inf",
-        action="operand clamped to at most log(max); a result that would overflow is max / 16",
+        action="operand clamped to at most log(max); a result that would overflow is sat (the stand-in for inf)",
         functions=("torch.expm1", "torch.special.expm1"), methods=("expm1",), inplace=True,
         constants={"hi": lambda b: b.exp_hi},
         sample=Sample(operands(tensor(100000.0, 1.0)), operands(tensor(-3.0, 0.0, 2.0))),
