@@ -79,6 +79,14 @@ def _bisect(bad: torch.Tensor, good: torch.Tensor, ok: Callable) -> float:
     return float(torch.tensor(g, dtype=ints).view(good.dtype).item())
 
 
+def _in(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded into ``dtype``, then stepped down once more if rounding went up."""
+    t = torch.tensor(value, dtype=torch.float64).to(dtype)
+    if float(t) > value:
+        t = torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype))
+    return float(t)
+
+
 @dataclass(frozen=True)
 class Bounds:
     """Per-dtype constants; every field is exactly representable in the dtype."""
@@ -96,6 +104,14 @@ class Bounds:
     above_minus_one: float  # smallest value > -1: log1p and atanh stay finite above it
     exp_hi: float  # largest x with exp(x) finite: the original's own value up to there
     exp2_hi: float
+    # log(0), log2(0), log10(0) (-inf): L with exp(L + v) exactly 0 for every v whose exp is
+    # finite ((smallest subnormal / 16) / max in the op's base; -194.8 for float32's log):
+    # a mask written as ``logits + mask.log()`` keeps its padded entries' weight exactly 0 after
+    # a softmax (issue 28 item 4), and L is a moderate number (a log feature of zeros feeds a
+    # linear layer, whose gradient a stand-in of -sat would blow up)
+    log_zero: float
+    log2_zero: float
+    log10_zero: float
 
 
 HEADROOM = 16  # max / sat
@@ -113,6 +129,9 @@ def bounds(dtype: torch.dtype) -> Bounds:
         return _walk(start, dtype, -math.inf, lambda t: _finite(fn(t)))
 
     one = torch.tensor(1.0, dtype=dtype)
+    # natural log of (smallest subnormal / 16) / max (a margin for the rounding of L + v)
+    zero_log = (math.log(float(fi.smallest_normal)) + math.log(float(fi.eps)) - math.log(16)
+                - math.log(float(fi.max)))
     return Bounds(
         dtype=dtype,
         tiny=float(fi.tiny),
@@ -123,6 +142,9 @@ def bounds(dtype: torch.dtype) -> Bounds:
         above_minus_one=float(_step(-one, 0.0).item()),
         exp_hi=exp_bound(torch.exp, math.log(fi.max)),
         exp2_hi=exp_bound(torch.exp2, math.log2(fi.max)),
+        log_zero=_in(zero_log, dtype),
+        log2_zero=_in(zero_log / math.log(2), dtype),
+        log10_zero=_in(zero_log / math.log(10), dtype),
     )
 
 

@@ -43,10 +43,14 @@ the sum of three overflowing norms, a saturated float16 linear output plus its r
 stay finite (`tests/test_model_finite.py`, every dtype, eager and compiled;
 `tests/test_rule_contract.py::test_two_stand_ins_multiplied_and_added_stay_finite`, every rule).
 Every finite result of an op is its own, bit for bit (a value that overflowed has no "right"
-finite value; headroom keeps the model finite after it). Poles whose op's value at the nearest
-safe operand is moderate keep that value (`log(0)` is `log(tiny)`, -87 in float32), not
--sat: a log feature of zeros feeds a linear layer, whose gradient a stand-in of -2.3e18 would
-blow up.
+finite value; headroom keeps the model finite after it). `log(0)` (and `log2`, `log10`) is
+not -sat but `log_zero`, -194.8 in float32 (-30.5 in float16): below the log of every
+subnormal, and low enough that `exp(log_zero + v)` is exactly 0 for every `v` whose `exp` is
+finite, so a mask written as `logits + mask.log()` (AllenNLP's `masked_log_softmax`) gives its
+padded entries weight exactly 0 after a softmax, as the original's -inf does, loss and
+gradients bit for bit (`tests/test_model_finite.py::test_a_mask_made_with_log_of_zero_keeps_the_originals_bits`);
+and a moderate number, so a log feature of zeros feeding a linear layer still trains, where a
+stand-in of -2.3e18 blows its gradient up.
 
 What stays the model's own arithmetic: finite values whose ordinary sum or product passes max.
 In float32/float64 that needs operands near 1e38 (the census's overflow policy); in float16

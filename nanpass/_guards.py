@@ -370,7 +370,7 @@ def clip(x: Tensor, lo: float | None, hi: float | None) -> Tensor:
 
 
 def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
-            singular: Callable | None = None, pole: int = 0) -> Callable:
+            singular: Callable | None = None, pole: str | None = None) -> Callable:
     """fn(clamp(x, lo, hi)) with a finite-gradient fence between clamp and fn (the exp family,
     whose derivatives are finite on the clamped domain, needs none: ``overflowing``).
 
@@ -386,11 +386,12 @@ def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
     so second derivatives through a composite (forces from sqrt(sum(d ** 2)) at d = 0, then a
     loss on the forces) stay finite, where a fence masks only after the first-order inf.
 
-    ``pole``: the sign of the infinity the op has at ``open_at`` where its value at tiny is
-    past sat (rsqrt(tiny) is 9.2e18 in float32): there the result is +-sat, the stand-in for an
-    infinity, so a product of two such results stays finite (issue 28 item 2). log keeps
-    log(tiny) (-87): a log feature of zeros feeds a linear layer, whose gradient a stand-in of
-    -sat would blow up."""
+    ``pole``: the ``Bounds`` field that stands in for the infinity the op has at and below
+    ``open_at``, in place of the op's value at tiny: ``sat`` for rsqrt (rsqrt(tiny) is 9.2e18 in
+    float32, past sat: a product of two would overflow, issue 28 item 2); ``log_zero`` for log
+    (-194.8 in float32, below every log of a subnormal; exp of it plus any v whose exp is finite
+    is exactly 0, so ``logits + mask.log()`` gives padded entries weight exactly 0 after a
+    softmax, as the original's -inf, item 4)."""
 
     def impl(fn, args, kwargs, consts, fence):
         x, rest, kw = _unary(args, kwargs)
@@ -404,8 +405,8 @@ def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
         _count(lambda: xs != x)
         if singular is None:
             y = fn(fence(xs), *rest, **kw)
-            if pole and low == bounds(x.dtype).tiny:
-                y = torch.where(x <= open_at, pole * bounds(y.dtype).sat, y)
+            if pole is not None and low == bounds(x.dtype).tiny:
+                y = torch.where(x <= open_at, getattr(bounds(y.dtype), pole), y)
             return y
         at, safe, value = singular(xs)
         # the fence still takes a derivative that overflows next to the point (sqrt's second

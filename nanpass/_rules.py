@@ -78,26 +78,29 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(0.0, 2.0)), operands(tensor(0.5, -2.0, 3.0))),
     ),
     Rule(
-        "log", g.clamped("lo", "hi", open_at=0.0),
+        "log", g.clamped("lo", "hi", open_at=0.0, pole="log_zero"),
         poles=(0.0,),
         reason="log of 0 is -inf, of a negative number NaN",
-        action="an operand <= 0 read as tiny, +inf as max (a subnormal keeps its own finite log)",
+        action="an operand <= 0 gives log_zero (below the log of every subnormal; exp of it plus any v "
+        "with a finite exp is 0), +inf is read as max (a subnormal keeps its own finite log)",
         functions=("torch.log",), methods=("log",), inplace=True, constants=TINY_MAX,
         sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.0, 3.0))),
     ),
     Rule(
-        "log2", g.clamped("lo", "hi", open_at=0.0),
+        "log2", g.clamped("lo", "hi", open_at=0.0, pole="log2_zero"),
         poles=(0.0,),
         reason="log2 of 0 is -inf, of a negative number NaN",
-        action="an operand <= 0 read as tiny, +inf as max (a subnormal keeps its own finite log2)",
+        action="an operand <= 0 gives log2_zero (below the log2 of every subnormal; exp of it plus any v "
+        "with a finite exp is 0), +inf is read as max (a subnormal keeps its own finite log2)",
         functions=("torch.log2",), methods=("log2",), inplace=True, constants=TINY_MAX,
         sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.0, 3.0))),
     ),
     Rule(
-        "log10", g.clamped("lo", "hi", open_at=0.0),
+        "log10", g.clamped("lo", "hi", open_at=0.0, pole="log10_zero"),
         poles=(0.0,),
         reason="log10 of 0 is -inf, of a negative number NaN",
-        action="an operand <= 0 read as tiny, +inf as max (a subnormal keeps its own finite log10)",
+        action="an operand <= 0 gives log10_zero (below the log10 of every subnormal; exp of it plus any v "
+        "with a finite exp is 0), +inf is read as max (a subnormal keeps its own finite log10)",
         functions=("torch.log10",), methods=("log10",), inplace=True, constants=TINY_MAX,
         sample=Sample(operands(tensor(0.0, -1.0, 2.0)), operands(tensor(0.5, 1.0, 3.0))),
     ),
@@ -119,7 +122,7 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor(0.0, -1.0, 4.0)), operands(tensor(0.25, 1.0, 4.0))),
     ),
     Rule(
-        "rsqrt", g.clamped("lo", None, open_at=0.0, pole=1),
+        "rsqrt", g.clamped("lo", None, open_at=0.0, pole="sat"),
         poles=(0.0,),
         reason="rsqrt of 0 is inf, of a negative number NaN",
         action="an operand <= 0 gives sat (the stand-in for inf; rsqrt(+inf) = 0 and a subnormal's finite rsqrt are the original's)",

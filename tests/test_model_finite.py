@@ -199,3 +199,48 @@ def test_log_softmax_keeps_the_finite_entries_next_to_a_masked_one(dtype):
     assert torch.allclose(got[2].float().exp(), torch.full((3,), 1 / 3), atol=1e-2)  # fully masked: uniform
     got.float().sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def _masked_log_softmax(vector, mask, dim=-1):
+    """AllenNLP's ``masked_log_softmax`` as the issue cites it (allenai/allennlp#890): the mask's
+    log, -inf at padded positions, added to the logits before ``log_softmax``."""
+    mask = mask.to(vector.dtype)
+    while mask.dim() < vector.dim():
+        mask = mask.unsqueeze(1)
+    return nn.functional.log_softmax(vector + mask.log(), dim=dim)
+
+
+class MaskedScorer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(8, 1)
+
+    def forward(self, h, mask, target):
+        logits = self.score(h).squeeze(-1)
+        return nn.functional.nll_loss(_masked_log_softmax(logits, mask), target)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_mask_made_with_log_of_zero_keeps_the_originals_bits(dtype):
+    """Issue 28 item 4: log(0) is -inf, and the original's padded entries get weight exactly 0.
+    Hardened, log(0) is log_zero (-194.8 in float32), low enough that exp of it plus any logit
+    whose exp is finite is exactly 0: the loss and every gradient are the original's bit for bit
+    (the padded entries' gradient exactly 0), where log(tiny) (-87) leaked ~1e-38 of weight."""
+    torch.manual_seed(0)
+    model = MaskedScorer().to(dtype)
+    h = torch.randn(4, 6, 8, dtype=dtype) * 3
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0], [1] * 6])
+    target = torch.tensor([2, 4, 0, 5])
+
+    def step(m):
+        m.zero_grad()
+        x = h.clone().requires_grad_()
+        loss = m(x, mask, target)
+        loss.backward()
+        return [loss.detach(), x.grad, *[p.grad.clone() for p in m.parameters()]]
+
+    want, got = step(model), step(nanpass.harden(model))
+    assert all(torch.isfinite(w).all() for w in want)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g), (w - g).abs().max()
+    assert (got[1][mask == 0] == 0).all()
