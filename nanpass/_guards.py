@@ -257,24 +257,17 @@ def _hook_fences(out, edges: dict, floor: int) -> None:
     if not readers:
         return
     verdict: dict = {}
+    start = [floor]  # where this call's backward began making nodes (a create_graph backward)
     for key, node in roots.items():
-        node.register_prehook(_take_verdict(verdict, key))
+        node.register_prehook(_take_verdict(verdict, key, start))
     for node, at in readers:
-        start = [floor]
-        node.register_prehook(_mark(start))
         node.register_hook(_fence_reads(verdict, at, edges, start))
 
 
-def _take_verdict(verdict: dict, key: int):
+def _take_verdict(verdict: dict, key: int, start: list):
     def pre(grad_outputs):
         tokens = [(g.detach() * 0).sum() for g in grad_outputs if g is not None]
         verdict[key] = sum(tokens[1:], tokens[0]) if tokens else None
-
-    return pre
-
-
-def _mark(start: list):
-    def pre(grad_outputs):
         start[0] = sequence_nr()
 
     return pre
@@ -282,8 +275,9 @@ def _mark(start: list):
 
 def _fence_reads(verdict: dict, at: frozenset, edges: dict, start: list):
     """The reader's gradient into a fenced operand, fenced; in a create_graph backward the
-    nodes that reader's backward made and that read the operand again are hooked the same way
-    (the next order's fence: a gradient penalty, forces trained on)."""
+    nodes this call's backward made (from its result's node on) and that read the operand again
+    are hooked the same way, with that gradient as the next order's result (a gradient
+    penalty, forces trained on)."""
 
     def post(grad_inputs, grad_outputs):
         tokens = [t for t in verdict.values() if t is not None]
@@ -867,15 +861,6 @@ def logits_loss(fn, args, kwargs, consts, fence):
     it, so every other row trains as without the bad one."""
     (x, t), rest, kw = operands(args, kwargs, ("input", "target"))
     return finite(fn(fence(x), fence(finite(t)), *rest, **kw))
-
-
-def cosine_similarity(fn, args, kwargs, consts, fence):
-    """+-inf operands give NaN: +-sat. A zero vector in float16 gives 0/0 (the default eps
-    1e-8 is 0 there): 0, as float32 gives. A cosine that rounding puts past +-1 (1.001 in
-    float16) is the original's own finite value: acos and asin, which it would break, guard
-    their operands themselves."""
-    (a, b), rest, kw = operands(args, kwargs, ("x1", "x2"))
-    return finite(fn(fence(finite(a)), fence(finite(b)), *rest, **kw))
 
 
 def _check_key_padding_mask(mask: Tensor, src_len: int, bsz: int) -> None:

@@ -306,10 +306,10 @@ RULES: tuple[Rule, ...] = (
                ctor={"nn.KLDivLoss": ()}),
     ),
     Rule(
-        "cosine_similarity", g.cosine_similarity,
+        "cosine_similarity", g.composite_call,
         reason="+-inf operands give NaN; in float16 a zero vector gives 0/0 (eps 1e-8 is 0 there)",
-        action="+-inf operands to +-sat, a NaN result to 0 (a cosine rounded past +-1 is the "
-        "original's: acos/asin guard their operands)",
+        action="a NaN result (an infinite operand, float16's 0/0) becomes 0, non-finite gradients 0 "
+        "(a cosine rounded past +-1 is the original's: acos/asin guard their operands)",
         functions=("F.cosine_similarity", "torch.cosine_similarity"),
         modules=("nn.CosineSimilarity",),
         sample=Sample(operands(tensor(INF, 1.0, shape=(1, 2)), tensor(1.0, 1.0, grad=False, shape=(1, 2))),

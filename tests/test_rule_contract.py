@@ -345,16 +345,7 @@ def _fanned_out(fn, args, kwargs):
     return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)]
 
 
-# cosine_similarity reads each operand twice inside C++, where no mode sees it, and its
-# +-inf operands are moved to +-sat before it (a node: its second derivatives there stay
-# finite only so, as hooks alone leave them NaN). Known and open: its cases fail on the
-# gradient's last bit (docs/architecture.md, "Why the fence is an autograd node"); strict, so
-# a fix shows
-EAGER_CASES = [
-    pytest.param(*c.values, id=c.id, marks=[*c.marks, pytest.mark.xfail(
-        strict=True, reason="cosine_similarity reads each operand twice behind one fence")])
-    if c.values[0].name == "cosine_similarity" else c
-    for c in CASES if not c.values[2]]
+EAGER_CASES = [c for c in CASES if not c.values[2]]
 
 
 @pytest.mark.parametrize("rule,dtype,compiled", EAGER_CASES)
