@@ -8,6 +8,7 @@ Registered only through the ``torch_dynamo_backends`` entry point (pyproject.tom
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import operator
@@ -166,10 +167,8 @@ def compile_graph(
     for obj in (compiled, getattr(compiled, "_torchdynamo_orig_callable", None)):
         if obj is None:
             continue
-        try:
+        with contextlib.suppress(AttributeError, TypeError):
             setattr(obj, _RECORD, record)
-        except (AttributeError, TypeError):
-            pass
         if _hashable(obj):
             _BY_CALLABLE[obj] = record
     return compiled

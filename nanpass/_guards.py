@@ -16,9 +16,11 @@ operands outside the op's safe domain, with three building blocks:
   double-where trap: the op never sees an unsafe operand, and a derivative that is infinite
   at the boundary (sqrt at 0, acos at 1) cannot leak NaN.
 
-Every guard is an ordinary tensor program: its one custom Function (the fence) reads no
-Python state and hands no view to the user, so in-place writes on a guard's result,
-dynamo (``fullgraph=True``), ``torch.func`` and ``torch.export`` see plain ops.
+Every guard is an ordinary tensor program: its custom Functions (the fence, the straight-through
+saturations) read no Python state and hand no view to the user, so in-place writes on a guard's
+result, dynamo (``fullgraph=True``), ``torch.func`` and ``torch.export`` see plain ops. The one
+exception is eager-only: the hooks ``Hooked`` puts on a C++ composite's own nodes, which a traced
+region or a functorch transform never takes (``finite_call``'s fence there).
 
 Constants come from ``consts(dtype)``: ``torch.finfo`` of the operand, tightened by the user's
 per-op overrides.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -203,10 +204,8 @@ def _signed(hardened: Hardened, model: torch.nn.Module):
     def forward(*args, **kwargs):
         return Hardened.forward(hardened, *args, **kwargs)
 
-    try:
+    with contextlib.suppress(TypeError, ValueError):  # a forward with no readable signature
         forward.__signature__ = inspect.signature(model.forward)
-    except (TypeError, ValueError):  # pragma: no cover - a forward with no readable signature
-        pass
     forward.__doc__ = getattr(model.forward, "__doc__", None)
     return forward
 
