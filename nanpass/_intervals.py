@@ -245,8 +245,8 @@ def monotone(a: Box, f: Callable, lo_dom: float = -INF, hi_dom: float = INF, dec
              open_lo: bool = False, open_hi: bool = False) -> Box:
     """f on [lo_dom, hi_dom] (NaN outside; an open end is in the domain but f is inf there)."""
     nan = torch.maximum(a.nan, ((a.lo < lo_dom) | (a.hi > hi_dom)).to(F64))
-    lo = a.lo.clamp(lo_dom, hi_dom)
-    hi = a.hi.clamp(lo_dom, hi_dom)
+    lo = a.lo.clamp(lo_dom, hi_dom) + 0.0  # + 0.0 reads -0.0 as +0.0: a sign of zero that matters
+    hi = a.hi.clamp(lo_dom, hi_dom) + 0.0  # (rsqrt(-0.0) = -inf) is the caller's to add
     empty = (a.hi < lo_dom) | (a.lo > hi_dom)
     flo, fhi = f(lo), f(hi)
     if decreasing:
@@ -322,13 +322,17 @@ def powi(a: Box, p: float) -> Box:
             return with_min(a, lambda t: t.pow(n), 0.0, 0.0)
         # a negative integer power: 1 / x ** |n|
         return reciprocal(powi(a, -n))
-    # fractional: NaN below 0
-    if p > 0:
-        return monotone(a, lambda t: t.pow(p), lo_dom=0.0)
-    r = monotone(a, lambda t: t.pow(p), lo_dom=0.0, decreasing=True)
-    if p == -0.5:  # torch computes x ** -0.5 as rsqrt: rsqrt(-0.0) = -inf
-        r = Box(torch.where(a.contains_zero(), -INF, r.lo), r.hi, r.nan)
-    return r
+    # fractional: NaN below 0, except at -inf (C's pow: (-inf) ** p is inf for p > 0, 0 for p < 0)
+    # and at -0.0, which monotone reads as +0.0: (-0.0) ** -1.5 is +inf
+    r = monotone(a, lambda t: t.pow(p), lo_dom=0.0, decreasing=p < 0)
+    only_neg_inf = a.hi == -INF
+    nan = torch.where(only_neg_inf, a.nan, torch.maximum(a.nan, (a.lo < 0).to(F64)))
+    at_neg_inf = a.lo == -INF
+    lo = torch.where(at_neg_inf, torch.minimum(r.lo, torch.full_like(r.lo, 0.0 if p < 0 else INF)), r.lo)
+    hi = torch.where(at_neg_inf, torch.maximum(r.hi, torch.full_like(r.hi, 0.0 if p < 0 else INF)), r.hi)
+    if p == -0.5:  # torch may compute x ** -0.5 as rsqrt, and rsqrt(-0.0) = -inf
+        lo = torch.where(a.contains_zero(), -INF, lo)
+    return Box(lo, hi, nan)
 
 
 def powi_rounded(a: Box, p: float, dtype: torch.dtype) -> Box:

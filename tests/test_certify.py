@@ -56,7 +56,7 @@ BINARY = {
     "where": lambda a, b: torch.where(a > b, a, b), "cat": lambda a, b: torch.cat([a, b], -1)[..., : a.shape[-1]],
     "addcmul": lambda a, b: torch.addcmul(a, a, b),
 }
-BOUNDS = [-1e30, -1e4, -100.0, -10.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 10.0, 100.0, 1e4, 1e30]
+BOUNDS = [-INF, INF, -0.0, -1e30, -1e4, -100.0, -10.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 10.0, 100.0, 1e4, 1e30]
 
 
 class Program(nn.Module):
@@ -125,11 +125,14 @@ def samples(ranges, dtype, n=12, seed=0):
             elif k % 3 == 0:
                 x = torch.where(torch.rand(shape, generator=gen) < 0.5, lo_t, hi_t)
             elif k % 3 == 1:
-                specials = torch.tensor([lo, hi, 0.0, 1.0, -1.0, (lo + hi) / 2], dtype=torch.float64)
+                mid = (lo + hi) / 2 if math.isfinite(lo + hi) else 0.0
+                specials = torch.tensor([lo, hi, 0.0, 1.0, -1.0, mid], dtype=torch.float64)
                 x = specials[torch.randint(0, 6, shape, generator=gen)].clamp(lo, hi)
             else:
                 u = torch.rand(shape, generator=gen, dtype=torch.float64)
-                x = lo_t + u * (hi_t - lo_t) if math.isfinite(hi - lo) else lo_t * (1 - u) + hi_t * u
+                a, b = max(lo, -1e30), min(hi, 1e30)  # an infinite end: draws from its finite part
+                a, b = (a, b) if a <= b else (lo, lo)
+                x = a + u * (b - a) if math.isfinite(b - a) else a * (1 - u) + b * u
             xs.append(x.to(dtype).clamp(lo, hi))
         out.append(tuple(xs))
     return out

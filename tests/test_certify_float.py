@@ -126,6 +126,32 @@ def test_minus_zero_in_a_range_holding_zero(fn):
     assert float(box.lo.min()) == -math.inf and float(box.hi.max()) == math.inf
 
 
+_SIGNED_ZERO_OPS = {
+    "pow_neg_half": lambda x: x ** -0.5, "pow_neg_one_and_half": lambda x: torch.pow(x, -1.5),
+    "pow_neg_three": lambda x: x.pow(-3), "pow_half": lambda x: x ** 0.5, "pow_one_and_half": lambda x: x ** 1.5,
+    "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "log": torch.log, "reciprocal": torch.reciprocal,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("lo,hi", [(-0.0, 1.0), (-0.0, -0.0), (-0.0, math.inf), (-math.inf, -0.0), (-math.inf, -1.0)])
+@pytest.mark.parametrize("name", sorted(_SIGNED_ZERO_OPS))
+def test_a_range_ending_at_minus_zero_or_minus_inf_holds_every_value(name, lo, hi, dtype):
+    """Issue 28 item 6b: ``x ** -0.5`` over [-0, 1] was certified [-inf, -max] (the bound read
+    rsqrt(-0.0) = -inf as the top of a decreasing function), which leaves out 1.0; and
+    (-inf) ** -1.5 = 0 (C's pow), outside [max, inf]."""
+    fn = _SIGNED_ZERO_OPS[name]
+    m = Fn(fn)
+    candidates = [lo, hi, -0.0, 0.0, 1e-30, 1e-3, 0.5, 1.0, -1.0, -2.0, math.inf, -math.inf]
+    xs = torch.tensor([v for v in candidates if lo <= v <= hi], dtype=dtype)
+    box = out_box(m, torch.full((4,), hi if math.isfinite(hi) else -1.0, dtype=dtype), (lo, hi))
+    with torch.no_grad():
+        ys = fn(xs).to(torch.float64)
+    lo_b, hi_b, nan_b = float(box.lo.min()), float(box.hi.max()), float(box.nan.max())
+    ok = ((ys >= lo_b) & (ys <= hi_b)) | (torch.isnan(ys) & (nan_b > 0))
+    assert bool(ok.all()), (xs.tolist(), ys.tolist(), box.summary())
+
+
 # -- relative allowances keep signs ---------------------------------------------------------
 
 
