@@ -31,6 +31,7 @@ import torch
 from . import _intervals as iv
 from ._compat import TorchDispatchMode, op_arguments, op_overload_name, require
 from ._errors import ConfigError, NanpassTypeError
+from ._guards import HOST_READS
 from ._intervals import F64, INF, Box, top_like
 from ._rules import BY_NAME
 
@@ -792,8 +793,12 @@ def analyse(model, example_inputs, specs, hardened=False, trace=False) -> tuple[
                 x = x.requires_grad_(inputs[i].requires_grad)
                 inputs[i] = x
             analysis.set(x, b)
-    with analysis:
-        result = model(*inputs)
+    reads = HOST_READS.set(False)  # a guard's shortcut reads a value: control flow to the analysis
+    try:
+        with analysis:
+            result = model(*inputs)
+    finally:
+        HOST_READS.reset(reads)
     out_boxes = [analysis.box(t) for t in _float_tensors(result)]
     analysis.resolve(_float_tensors(result))
     return analysis, out_boxes

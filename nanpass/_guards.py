@@ -29,6 +29,7 @@ per-op overrides.
 from __future__ import annotations
 
 import contextvars
+import math
 import numbers
 import types
 from collections.abc import Callable
@@ -61,6 +62,21 @@ def _count(changed: Callable[[], Tensor]) -> None:
     counter = COUNTER.get()
     if counter is not None:
         counter.add(changed())
+
+
+# False while certify analyses a hardened model: a guard's read of a value is control flow there
+HOST_READS: contextvars.ContextVar = contextvars.ContextVar("nanpass_host_reads", default=True)
+
+
+def _all_finite_on_host(t) -> bool:
+    """Whether ``t`` is finite everywhere, asked only where the answer is a read of host memory:
+    a plain CPU tensor, in eager, outside a functorch transform and certify's analysis. Then a
+    guard whose value and local derivative are finite wherever its result is may return the
+    op's own result, with the original's graph node for node (a GPU read would be a sync)."""
+    return (type(t) is Tensor and t.device.type == "cpu" and t.layout == torch.strided
+            and not torch.compiler.is_compiling() and not functorch_active() and HOST_READS.get()
+            and math.isfinite(t.sum().item()))  # an inf or NaN element makes the sum one (2 us
+    # against isfinite(t).all()'s 8): a finite overflow of the sum only takes the guard's path
 
 
 def _saturate(t: Tensor) -> Tensor:
@@ -651,6 +667,10 @@ def finite_in_out(fn, args, kwargs, consts, fence):
     x, rest, kw = _unary(args, kwargs)
     if not x.is_floating_point() or x.numel() == 0:
         return finite(fn(x, *rest, **kw))
+    if type(x) is Tensor and x.device.type == "cpu":
+        out = fn(x, *rest, **kw)
+        if _all_finite_on_host(out):  # every row finite: nothing to move, its gradient finite
+            return out
     dim = _softmax_dim(fn, rest, kw, x)
     _count(lambda: ~torch.isfinite(x.amax(dim, keepdim=True)).expand_as(x) & ~torch.isfinite(x))
     if not x.requires_grad:
@@ -862,6 +882,10 @@ def logits_loss(fn, args, kwargs, consts, fence):
     row of -inf, every target ignored) becomes 0, and the fence zeroes the gradient that made
     it, so every other row trains as without the bad one."""
     (x, t), rest, kw = operands(args, kwargs, ("input", "target"))
+    if type(x) is Tensor and x.device.type == "cpu" and _all_finite_on_host(x):
+        out = fn(x, t, *rest, **kw)
+        if _all_finite_on_host(out):  # finite logits and loss: finite targets and gradients (an
+            return out  # ignored row of inf logits makes a NaN gradient beside a finite loss)
     return finite(fn(fence(x), fence(finite(t)), *rest, **kw))
 
 

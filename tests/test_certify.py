@@ -276,6 +276,20 @@ def test_hardened_model_guarded():
     assert _verdict(cert, "log").verdict == "guarded"
 
 
+class LogSoftmaxLoss(nn.Module):
+    def forward(self, x):
+        return F.nll_loss(F.log_softmax(x, -1), torch.zeros(x.shape[0], dtype=torch.long))
+
+
+def test_hardened_losses_read_no_value_under_the_analysis():
+    """A guard that reads its result back on CPU (a finite loss takes the op's own result)
+    reads nothing while certify runs: a read would be control flow (an "unknown" verdict)."""
+    cert = nanpass.certify(nanpass.harden(LogSoftmaxLoss()), torch.rand(2, 3), ranges=(-1, 1))
+    assert cert.proven, str(cert)
+    assert not [v for v in cert.verdicts if v.verdict == "unknown"], str(cert)
+    assert {v.op for v in cert.verdicts if v.verdict == "guarded"} >= {"log_softmax", "nll_loss"}
+
+
 def test_hardened_excluded_op_stays_unsafe():
     cert = nanpass.certify(nanpass.harden(Log(), exclude_ops=["log"]), torch.rand(2, 3), ranges=(0, 1))
     assert not cert.proven and _verdict(cert, "log").verdict == "unsafe"

@@ -1338,10 +1338,12 @@ class _CE(nn.Module):
         return F.cross_entropy(logits, y, reduction=reduction)
 
 
-def test_cross_entropy_makes_no_copy_of_the_logits():
+@pytest.mark.parametrize("bad_row", [False, True], ids=["finite", "inf_logit"])
+def test_cross_entropy_makes_no_copy_of_the_logits(bad_row):
     """A vocabulary's logits are a step's largest activation: in forward, where a step's peak
     memory is, the guard allocates no float tensor of their size beyond what the plain loss does
-    (its log_softmax); in backward, one (the fence's) after the loss's own."""
+    (its log_softmax); in backward, finite CPU logits and loss take the plain loss's own graph
+    (nothing more), and otherwise one more (the fence's) after the loss's own."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Sized(TorchDispatchMode):
@@ -1361,7 +1363,10 @@ def test_cross_entropy_makes_no_copy_of_the_logits():
             return out
 
     def sized_ops(model):
-        logits = torch.randn(4, 16, 1000, requires_grad=True)
+        logits = torch.randn(4, 16, 1000)
+        if bad_row:
+            logits[1, 3, 7] = float("inf")
+        logits.requires_grad_()
         y = torch.randint(0, 1000, (4, 16))
         with Sized(logits.numel()) as fwd:
             loss = model(logits.view(-1, 1000), y.view(-1))
@@ -1372,7 +1377,55 @@ def test_cross_entropy_makes_no_copy_of_the_logits():
 
     (plain_fwd, plain_bwd), (safe_fwd, safe_bwd) = sized_ops(_CE()), sized_ops(nanpass.harden(_CE()))
     assert plain_fwd == safe_fwd == ["_log_softmax"]
-    assert sorted(safe_bwd) == sorted([*plain_bwd, "nan_to_num"])  # where() writes into it
+    fence = ["nan_to_num"] if bad_row else []  # its where() writes into it
+    assert sorted(safe_bwd) == sorted([*plain_bwd, *fence])
+
+
+class _Losses(nn.Module):
+    """The losses a Hugging Face model returns as ``.loss``, each spelling once."""
+
+    def forward(self, x, y, probs):
+        return (F.nll_loss(F.log_softmax(x, -1), y) + F.cross_entropy(x, y, label_smoothing=0.1)
+                + F.cross_entropy(x * 2, probs) + x.log_softmax(1).mean())
+
+
+def _nodes(t) -> list[str]:
+    """The autograd graph behind ``t``, breadth first, by node name."""
+    seen, order, todo = set(), [], [t.grad_fn]
+    while todo:
+        node = todo.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        order.append(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return order
+
+
+def test_finite_losses_keep_the_originals_graph_node_for_node():
+    """Issue 28 item 7: on CPU, where reading a value back is free, log_softmax, cross_entropy
+    and nll_loss whose logits and result are finite return the op's own result: the original's
+    autograd graph node for node (no straight-through or fence node), so its gradients and
+    second derivatives are the original's and the step costs what the plain one does. Inf logits
+    in an ignored row (finite loss, NaN gradient plain) still take the guard."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, requires_grad=True)
+    y = torch.tensor([0, 1, 2, 3, 4, -100])
+    probs = torch.rand(6, 5).softmax(-1)
+    plain, safe = _Losses()(x, y, probs), nanpass.harden(_Losses())(x, y, probs)
+    assert _nodes(safe) == _nodes(plain)
+    (gp,) = torch.autograd.grad(plain, x, create_graph=True)
+    (gs,) = torch.autograd.grad(safe, x, create_graph=True)
+    assert torch.equal(bits(gs), bits(gp))
+    assert torch.equal(bits(torch.autograd.grad(gs.pow(2).sum(), x)[0]),
+                       bits(torch.autograd.grad(gp.pow(2).sum(), x)[0]))
+    bad = x.detach().clone()
+    bad[5, 2] = float("inf")  # the ignored row
+    bad.requires_grad_()
+    loss = nanpass.harden(_CE())(bad, y)
+    (g,) = torch.autograd.grad(loss, bad)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert torch.isnan(torch.autograd.grad(F.cross_entropy(bad, y), bad)[0]).any()  # plain: NaN
 
 
 def test_a_bad_row_of_logits_leaves_the_other_rows_training():
