@@ -379,7 +379,7 @@ RULES: tuple[Rule, ...] = (
         autocast_float32=True,
     ),
     Rule(
-        "norm", g.finite_call,
+        "norm", g.composite_call,
         reason="at 0 its second derivative is NaN (a gradient penalty on a zero vector), and with "
         "ord > 2 a tiny vector's gradient is 0/0; in float16 a product of ordinary values overflows",
         action="the result saturated; non-finite gradients become 0",
@@ -388,7 +388,7 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor("max", "max", shape=(1, 2))), operands(tensor(3.0, 4.0, shape=(1, 2)))),
     ),
     Rule(
-        "normalize", g.finite_call,
+        "normalize", g.composite_call,
         reason="x / max(||x||, eps): the default eps 1e-12 is 0 in float16, so a zero vector gives 0/0; "
         "in every dtype its second derivative is NaN",
         action="a NaN result becomes 0; non-finite gradients become 0",
