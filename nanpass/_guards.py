@@ -667,8 +667,8 @@ def finite_in_out(fn, args, kwargs, consts, fence):
     x, rest, kw = _unary(args, kwargs)
     if not x.is_floating_point() or x.numel() == 0:
         return finite(fn(x, *rest, **kw))
-    if type(x) is Tensor and x.device.type == "cpu":
-        out = fn(x, *rest, **kw)
+    if type(x) is Tensor and x.device.type == "cpu" and not isinstance(fn, torch.nn.Module):
+        out = fn(x, *rest, **kw)  # (a module's call twice would run its hooks twice)
         if _all_finite_on_host(out):  # every row finite: nothing to move, its gradient finite
             return out
     dim = _softmax_dim(fn, rest, kw, x)
@@ -882,7 +882,8 @@ def logits_loss(fn, args, kwargs, consts, fence):
     row of -inf, every target ignored) becomes 0, and the fence zeroes the gradient that made
     it, so every other row trains as without the bad one."""
     (x, t), rest, kw = operands(args, kwargs, ("input", "target"))
-    if type(x) is Tensor and x.device.type == "cpu" and _all_finite_on_host(x):
+    if (type(x) is Tensor and x.device.type == "cpu" and not isinstance(fn, torch.nn.Module)
+            and _all_finite_on_host(x)):
         out = fn(x, t, *rest, **kw)
         if _all_finite_on_host(out):  # finite logits and loss: finite targets and gradients (an
             return out  # ignored row of inf logits makes a NaN gradient beside a finite loss)
