@@ -23,8 +23,6 @@ hardened call is running.
 - ``dynamo_overridable``: two tables dynamo keeps of its own (see ``_teach_dynamo``).
 - ``dynamo_cache_entries``: dynamo's compiled entries of a code object, so that
   ``nanpass.report(compiled)`` finds every graph of a model, after graph breaks too.
-- ``constant_result``: a lookup in the rule table that dynamo calls rather than traces (a
-  traced dict lookup guards each key it passes, re-checked on every call of the frame).
 - ``inner_compiler``: the aot_eager and inductor compilers the backend hands its graph to.
 - ``fake_mode``: a ``FakeTensorMode`` (shape checks run the model on fake tensors), quiet.
 - ``sym_expr``: what a symbolic dim (``SymInt``) is built from.
@@ -301,29 +299,6 @@ def _after_import(name: str, patch) -> None:
 
 
 # -- compiled paths -----------------------------------------------------------------------
-
-
-@entry("constant_result", "the mark torch.compiler.assume_constant_result puts on a function "
-       "(its _dynamo_marked_constant attribute), set without importing dynamo", at_import=False)
-def _constant_result_probe():
-    def probe():
-        return 0
-
-    torch.compiler.assume_constant_result(probe)
-    if getattr(probe, _CONSTANT_MARK, False) is not True:
-        raise AttributeError(f"assume_constant_result no longer sets {_CONSTANT_MARK}")
-    return probe
-
-
-_CONSTANT_MARK = "_dynamo_marked_constant"
-
-
-def constant_result(fn):
-    """``fn`` called, not traced, by dynamo: its result is a constant of the graph. The public
-    decorator imports dynamo (seconds at ``import nanpass``); a torch that reads another mark
-    traces ``fn`` instead, which is slower, never wrong."""
-    setattr(fn, _CONSTANT_MARK, True)
-    return fn
 
 
 @entry("dynamo_cache_entries", "torch._dynamo.eval_frame._debug_get_cache_entry_list",

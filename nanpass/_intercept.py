@@ -34,7 +34,7 @@ from ._compat import ATEN_OPS
 from ._config import Config
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
 from ._rule import cuda_autocast
-from ._rules import CALLS, Rule, Spelling
+from ._rules import CALLS, PY_CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
 from ._watch import Watch, leaves
 from ._watch import inplace as _inplace
@@ -344,27 +344,15 @@ def _as_called(func, args, kwargs):
 
 def _hit(func) -> tuple[Rule, Spelling, bool] | None:
     """The rule table's entry for a call, if it names it."""
-    if torch.compiler.is_compiling():
-        return _HITS[_hit_index(func)]
+    if isinstance(func, types.FunctionType) and torch.compiler.is_compiling():
+        for fn, h in PY_CALLS:  # dynamo cannot hash a traced function into a dict
+            if fn is func:
+                return h
+        return None
     try:
         return CALLS.get(func)
     except TypeError:  # an unhashable callable
         return None
-
-
-# Under dynamo the lookup runs as Python, not traced: a traced lookup in CALLS guards every key
-# it passes (about 800 guards on GPT-2, evaluated on each call of each frame; +2% of a step).
-# Its result, an index, is a constant of the call; the one guard left is _HITS's length.
-_HITS: list = [None, *CALLS.values()]
-_HIT_INDEX: dict = {fn: i for i, fn in enumerate(CALLS, 1)}
-
-
-@_compat.constant_result
-def _hit_index(func) -> int:
-    try:
-        return _HIT_INDEX.get(func, 0)
-    except TypeError:  # an unhashable callable
-        return 0
 
 
 class CallsGuarded(TorchFunctionMode):

@@ -5,6 +5,7 @@ op is one ``Rule`` (plus, where needed, one guard in ``_guards.py``).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -941,6 +942,10 @@ def _call_index() -> dict:
 CALLS: dict = _call_index()
 
 
+# the table's callables written in Python (F.softmax, Tensor.__rdiv__, ...), for a lookup by
+# identity under dynamo: a dict lookup keyed on one of torch._tensor's wrapped reflected
+# operators (Tensor.__floordiv__) fails dynamo's own guard, and reading its name is not constant
+PY_CALLS: tuple = tuple((fn, hit) for fn, hit in CALLS.items() if isinstance(fn, types.FunctionType))
 _BY_TARGET, _BY_MODULE = _index()
 
 

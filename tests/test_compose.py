@@ -324,23 +324,21 @@ class _BreaksOnce(torch.nn.Module):
         return (h / h.norm(dim=-1, keepdim=True)).sqrt().sum()
 
 
-def _frames_and_guards(model, x):
+def _frames(model, x) -> int:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    out = torch._dynamo.explain(model)(x)
-    return torch._dynamo.utils.counters["frames"]["ok"], [g.name for g in out.out_guards]
+    torch._dynamo.explain(model)(x)
+    return torch._dynamo.utils.counters["frames"]["ok"]
 
 
 def test_a_graph_break_in_a_compiled_hardened_model_costs_one_frame_more():
     """Issue 28 item 7: a graph break in the model splits every frame between dynamo and it.
     Hardened, that was four of nanpass's frames (and two resumes), each a cache lookup on
-    every call; now one. Its rule-table lookup is a constant to dynamo, so no guard reads
-    the table (a traced dict lookup guarded each key it passed: ~800 guards on GPT-2)."""
+    every call; now one."""
     model, x = _BreaksOnce(), torch.randn(3, 4)
-    plain_frames, _ = _frames_and_guards(model, x)
-    frames, guards = _frames_and_guards(nanpass.harden(model), x)
+    plain_frames = _frames(model, x)
+    frames = _frames(nanpass.harden(model), x)
     assert frames <= plain_frames + 2, (frames, plain_frames)  # its frame and its resume
-    assert not [g for g in guards if "CALLS" in g or "_HIT_INDEX" in g], guards
     torch._dynamo.reset()
     compiled = torch.compile(nanpass.harden(model), backend="aot_eager")
     assert torch.equal(compiled(x), model(x))
