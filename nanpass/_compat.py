@@ -153,6 +153,27 @@ def offer_to_traced_modes(fns) -> None:
     _OFFERED.update(fns)
 
 
+@entry("eager_handler", "torch._C._dynamo.eval_frame.set_code_exec_strategy, "
+       "_FrameExecStrategy and _FrameAction.SKIP")
+def _frame_exec_strategy():
+    from torch._C._dynamo import eval_frame
+
+    return eval_frame.set_code_exec_strategy, eval_frame._FrameExecStrategy, eval_frame._FrameAction.SKIP
+
+
+def eager_handler(fn):
+    """A mode's ``__torch_function__``, never compiled as a frame of its own. Dynamo traces it
+    into each frame it compiles; but where a frame graph-breaks, the handler runs eagerly under
+    dynamo's frame callback, and dynamo then compiled it (and every function it calls, the
+    guards) as frames whose guards leave out ``func``: a later call with the same operands ran
+    the first call's code (``x.is_complex()`` returned a tensor). SKIP, for it and the frames
+    it calls: where it runs eagerly, it runs as written, as it does outside torch.compile."""
+    if "eager_handler" not in MISSING:
+        set_strategy, strategy, skip = _frame_exec_strategy()
+        set_strategy(fn.__code__, strategy(skip, skip))
+    return fn
+
+
 def _bind_active(fn):
     bind = _HOOKS["bind"]
     return fn if bind is None else bind(fn)
@@ -694,6 +715,12 @@ def _install() -> None:
         _patch_checkpoint()
     if "fast_path_check" not in MISSING:
         _patch_fast_path_check()
+    if "eager_handler" in MISSING:
+        warnings.warn(
+            f"nanpass: torch {torch.__version__} lacks {ENTRIES['eager_handler'].needs}: where "
+            "torch.compile of a hardened model graph-breaks inside a guard, dynamo may run a "
+            f"later call as an earlier one; nanpass is tested on torch {', '.join(TESTED)}",
+            UserWarning, stacklevel=2)
     _warn_untested()
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.optim.optimizer as optim_hooks
 
 from ._check import COLLECT, NonFiniteError
-from ._compat import foreach_norm
+from ._compat import eager_handler, foreach_norm
 from ._config import _choices, make_config
 from ._errors import ConfigError, NanpassError
 from ._intercept import GuardMode, Sites
@@ -40,6 +40,7 @@ class _ProgramMode(GuardMode):
         super().__init__(sites)
         self.paused = 0
 
+    @eager_handler
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         # a compiled region is the backend's to guard or check (torch.compile is wrapped), and
         # so is its eager re-run that names an op (COLLECT is set while it runs)

@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._compat import (
     CLAMP_GRAD_AT_BOUNDS,
+    eager_handler,
     entered,
     function_apply,
     functorch_active,
@@ -740,6 +741,7 @@ class _EachRead(TorchFunctionMode):
     def _read(self, a):
         return self.fence(a) if id(a) in self.ids else a
 
+    @eager_handler
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         args = tuple(self._read(a) for a in args)
         kwargs = {k: self._read(v) for k, v in (kwargs or {}).items()}

@@ -365,6 +365,7 @@ class CallsGuarded(TorchFunctionMode):
         super().__init__()
         self.guards = guards or {}  # rule name -> the guard this composite's calls take instead
 
+    @_compat.eager_handler
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         hit = _hit(func)
         kwargs = kwargs or {}
@@ -391,6 +392,7 @@ class GuardMode(TorchFunctionMode):
         super().__init__()
         self.sites = sites
 
+    @_compat.eager_handler
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         hit = _hit(func)
         watch = self.sites.checker

@@ -27,6 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._certify import GUARDED, PROVEN, _float_tensors, certify, input_box, parse_ranges
+from ._compat import eager_handler
 from ._errors import NanpassTypeError
 from ._rules import BY_NAME
 
@@ -85,6 +86,7 @@ class _Probe(TorchFunctionMode):
         self.birth: str | None = None
         self.captured: list[tuple[list[Tensor], list[Tensor]]] = []
 
+    @eager_handler
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

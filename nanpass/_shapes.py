@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from ._compat import fake_mode, sym_constant, sym_free_symbols
+from ._compat import eager_handler, fake_mode, sym_constant, sym_free_symbols
 from ._errors import CaptureError, NanpassError
 from ._source import input_name, is_user_file
 
@@ -100,6 +100,7 @@ class _Producers(TorchFunctionMode):
         super().__init__()
         self.tracker = tracker
 
+    @eager_handler
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
         try:
@@ -384,6 +385,7 @@ class _FirstUse(TorchFunctionMode):
         super().__init__()
         self.target, self.found = target, found
 
+    @eager_handler
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not self.found and any(t is self.target for t in _tensors((args, kwargs))):
             line = _caller()

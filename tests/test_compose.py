@@ -344,6 +344,32 @@ def test_a_graph_break_in_a_compiled_hardened_model_costs_one_frame_more():
     assert torch.equal(compiled(x), model(x))
 
 
+class _ReadsAfterABreakInAGuard(torch.nn.Module):
+    """corrcoef's guard reads a value (a graph break inside the mode's ``__torch_function__``);
+    the calls after it, on the same tensor, make no graph: dynamo runs them eagerly."""
+
+    def forward(self, x):
+        a = x.acos()
+        c = a.corrcoef()
+        return c, a.is_complex(), a.dtype, a.shape, a
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_graph_break_inside_a_guard_keeps_every_call_after_it(backend):
+    """Where a guard graph-breaks, dynamo runs the mode's ``__torch_function__`` eagerly, and
+    then compiled it as a frame of its own that guards nothing on ``func``: every later call
+    through that frame ran the first call's graph (``c.is_complex()`` returned a tensor,
+    ``torch.full`` in nn.TransformerEncoder got a dtype for its device). The modes' handlers
+    now run as written wherever they run eagerly."""
+    torch._dynamo.reset()
+    model, x = _ReadsAfterABreakInAGuard(), torch.tensor([[0.5, 0.25, 1.0], [0.5, 0.5, 0.5]])
+    want = nanpass.harden(model)(x)
+    for _ in range(2):  # the second call runs what the first compiled
+        got = torch.compile(nanpass.harden(model), backend=backend)(x)
+        assert got[1] is False and got[2] is torch.float32 and got[3] == x.shape
+        assert torch.equal(got[0], want[0]) and torch.equal(got[4], want[4])
+
+
 # -- torch.func -------------------------------------------------------------------------------
 
 class _PerSample(torch.nn.Module):

@@ -84,9 +84,6 @@ def _probe(model, args, second_order: bool):
     return outs, grads + [h for h in seconds if h is not None]
 
 
-# torch.compile(nanpass.harden(model)) of these raises (see test_every_spelling_is_guarded)
-COMPILED_HARDEN_BUG = {"Tensor.corrcoef", "torch.Tensor.corrcoef"}
-
 def _captures():
     """Every spelling under harden (fast tier); under the backend (a compile each) the fast tier
     takes each rule's first out-of-place and first in-place spelling, the slow tier the rest;
@@ -117,13 +114,6 @@ def test_every_spelling_is_guarded(rule, sp, capture):
     if capture == "compiled-harden":  # no site records under dynamo: the values say it
         torch._dynamo.reset()  # else Call.forward hits dynamo's recompile limit and runs eagerly
         compiled = torch.compile(nanpass.harden(model), backend="eager")
-        if sp.name in COMPILED_HARDEN_BUG:
-            # known, open (docs/deploy.md): the method spelling of corrcoef breaks the graph on
-            # its data-dependent aten.equal inside the guard, and the resumed frame then calls
-            # bool() on a tensor; the function spelling works. This fails loudly once it is fixed
-            with pytest.raises(TypeError, match="__bool__ should return bool, returned Tensor"):
-                _probe(compiled, args, second)
-            return
         outs, grads = _probe(compiled, args, second)
         assert all_finite(outs), f"{sp.name} under {capture}: non-finite value"
         assert all_finite(grads), f"{sp.name} under {capture}: non-finite gradient"
