@@ -34,7 +34,7 @@ from ._compat import ATEN_OPS
 from ._config import Config
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
 from ._rule import cuda_autocast
-from ._rules import CALLS, PY_CALLS, Rule, Spelling
+from ._rules import CALLS, CALLS_BY_HASH, PY_WRAPPED, Rule, Spelling
 from ._stats import Counter, GuardWarning
 from ._watch import Watch, leaves
 from ._watch import inplace as _inplace
@@ -344,15 +344,18 @@ def _as_called(func, args, kwargs):
 
 def _hit(func) -> tuple[Rule, Spelling, bool] | None:
     """The rule table's entry for a call, if it names it."""
-    if isinstance(func, types.FunctionType) and torch.compiler.is_compiling():
-        for fn, h in PY_CALLS:  # dynamo cannot hash a traced function into a dict
-            if fn is func:
-                return h
-        return None
     try:
-        return CALLS.get(func)
+        bucket = CALLS_BY_HASH.get(hash(func), ())
     except TypeError:  # an unhashable callable
         return None
+    for fn, hit in bucket:
+        if fn is func:
+            return hit
+    if isinstance(func, types.FunctionType) and torch.compiler.is_compiling():
+        for fn, hit in PY_WRAPPED:  # dynamo does not hash a wrapper as itself
+            if fn is func:
+                return hit
+    return None
 
 
 class CallsGuarded(TorchFunctionMode):

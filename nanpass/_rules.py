@@ -942,10 +942,19 @@ def _call_index() -> dict:
 CALLS: dict = _call_index()
 
 
-# the table's callables written in Python (F.softmax, Tensor.__rdiv__, ...), for a lookup by
-# identity under dynamo: a dict lookup keyed on one of torch._tensor's wrapped reflected
-# operators (Tensor.__floordiv__) fails dynamo's own guard, and reading its name is not constant
-PY_CALLS: tuple = tuple((fn, hit) for fn, hit in CALLS.items() if isinstance(fn, types.FunctionType))
+# CALLS by each callable's hash, a bucket of (callable, entry) pairs to compare by identity:
+# the lookup dynamo guards by the one bucket it reads. Keyed by the callable itself, dynamo
+# guards the dict's key order, every key up to the one found: about 1,300 guards on GPT-2,
+# checked on each call of each frame. (Not by id: dynamo has no id for a callable it made.)
+CALLS_BY_HASH: dict = {}
+for _fn, _entry in CALLS.items():
+    CALLS_BY_HASH[hash(_fn)] = (*CALLS_BY_HASH.get(hash(_fn), ()), (_fn, _entry))
+del _fn, _entry
+
+# the table's functions dynamo hashes as another (torch._tensor's operators, each a wrapper of
+# the function it names, Tensor.__rdiv__): looked up by identity under dynamo
+PY_WRAPPED: tuple = tuple((fn, hit) for fn, hit in CALLS.items()
+                          if isinstance(fn, types.FunctionType) and hasattr(fn, "__wrapped__"))
 _BY_TARGET, _BY_MODULE = _index()
 
 
