@@ -413,6 +413,9 @@ class GuardMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_compat.graphs_run_outside(GuardMode)
+
+
 # calls check mode runs as called and does not look at: attribute reads and writes (``x.grad``
 # reads a gradient, it makes nothing), printing, and aten ops a tracer runs under the mode
 _UNWATCHED = frozenset(("__get__", "__set__", "__repr__", "__format__", "__str__", "__len__",

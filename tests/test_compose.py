@@ -344,6 +344,33 @@ def test_a_graph_break_in_a_compiled_hardened_model_costs_one_frame_more():
     assert torch.equal(compiled(x), model(x))
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_compiled_graphs_of_a_hardened_model_run_outside_the_mode(backend, monkeypatch):
+    """Issue 28 item 7: where the model graph-breaks, dynamo runs the frames after the break
+    with the mode entered, and each compiled graph's own runtime calls (AOTAutograd's
+    ``_is_view`` per saved tensor, each aten op of an aot_eager graph) went through the
+    mode's Python handler. The graphs hold the guards; they now run with the mode popped."""
+    from nanpass._intercept import GuardMode
+
+    torch._dynamo.reset()
+    model, x = _BreaksOnce(), torch.randn(3, 4)
+    compiled = torch.compile(nanpass.harden(model), backend=backend)
+    compiled(x).backward()
+    seen = []
+    handler = GuardMode.__torch_function__
+
+    def counting(self, func, types_, args=(), kwargs=None):
+        if not torch.compiler.is_compiling():
+            seen.append(getattr(func, "__name__", repr(func)))
+        return handler(self, func, types_, args, kwargs)
+
+    monkeypatch.setattr(GuardMode, "__torch_function__", counting)
+    out = compiled(x)
+    out.backward()
+    assert seen == [], seen  # graph_break() itself makes no torch call
+    assert torch.equal(out, nanpass.harden(model)(x))
+
+
 class _ReadsAfterABreakInAGuard(torch.nn.Module):
     """corrcoef's guard reads a value (a graph break inside the mode's ``__torch_function__``);
     the calls after it, on the same tensor, make no graph: dynamo runs them eagerly."""
