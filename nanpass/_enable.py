@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.optim.optimizer as optim_hooks
 
 from ._check import COLLECT, NonFiniteError
-from ._compat import eager_handler, foreach_norm
+from ._compat import eager_handler, foreach_norm, graphs_run_outside
 from ._config import _choices, make_config
 from ._errors import ConfigError, NanpassError
 from ._intercept import GuardMode, Sites
@@ -47,6 +47,10 @@ class _ProgramMode(GuardMode):
         if self.paused or torch.compiler.is_compiling() or COLLECT.get() is not None:
             return func(*args, **(kwargs or {}))
         return super().__torch_function__(func, types_, args, kwargs)
+
+
+# a compiled graph holds the backend's guards: it runs with the mode popped
+graphs_run_outside(_ProgramMode)
 
 
 class Enabled:
