@@ -7,6 +7,8 @@ model as the model. Each case compares against the plain model, which must work 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -369,6 +371,23 @@ def test_compiled_graphs_of_a_hardened_model_run_outside_the_mode(backend, monke
     out.backward()
     assert seen == [], seen  # graph_break() itself makes no torch call
     assert torch.equal(out, nanpass.harden(model)(x))
+
+
+def test_the_rule_lookup_costs_dynamo_a_guard_per_call_not_per_table_key():
+    """Issue 28 item 7: dynamo guards a dict lookup keyed by a callable on the dict's key order,
+    every key up to the one found (hundreds of guards a frame, checked on each call); the
+    lookup by hash bucket costs a guard or two per distinct call traced."""
+
+    class Three(torch.nn.Module):
+        def forward(self, x):
+            return torch.log(x.abs()).exp().sum()
+
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(nanpass.harden(Three()))(torch.randn(3))
+    table = {g.name for g in out.out_guards if "CALLS" in g.name}
+    assert table and not [n for n in table if "dict.keys(" in n]  # no guard on the key order
+    buckets = {re.search(r"CALLS_BY_HASH\[(-?\d+)\]", n).group(1) for n in table if "HASH[" in n}
+    assert len(buckets) <= 4, buckets  # log, abs, exp, sum: a bucket each at most
 
 
 class _ReadsAfterABreakInAGuard(torch.nn.Module):
