@@ -33,13 +33,13 @@ def main():
                                                     ("backend=nanpass", npb))}
     t = run.interleaved(fns, args.repeats)
     for k, v in t.items():
-        print(f"gpt2-4L train step  {k:16} {v * 1e3:8.2f} ms  {v / t['inductor']:.3f}x inductor")
+        print(f"gpt2-4L train step  {k:16} {v * 1e3:8.2f} ms  {t.ratio(k, 'inductor'):.3f}x inductor")
     for name, (m, b) in (("gpt2-4L", (model, batch)), ("mlp", run.MODELS["mlp"]())):
         safe = nanpass.harden(m)
         t = run.interleaved({"plain": run.train_step(m, b), "harden": run.train_step(safe, b)}, args.repeats)
         saved = run.saved_numel(run.train_step(safe, b)) / run.saved_numel(run.train_step(m, b))
         print(f"{name:8} eager train step plain {t['plain'] * 1e3:8.2f} ms  harden {t['harden'] * 1e3:8.2f} ms"
-              f"  {t['harden'] / t['plain']:.3f}x; saved for backward {saved:.3f}x")
+              f"  {t.ratio('harden', 'plain'):.3f}x; saved for backward {saved:.3f}x")
 
 
 if __name__ == "__main__":

@@ -79,10 +79,23 @@ class VAE(nn.Module):
         return recon - 0.5 * (1 + logvar - mu**2 - logvar.exp()).sum(-1).mean()
 
 
-def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict:
-    """Median seconds per call of each fn, run round-robin so drift hits all alike, in a fresh
-    (seeded) order each round: a fixed order gives each fn the same predecessor, whose caches
-    and allocations it inherits."""
+class Timings(dict):
+    """Median seconds per call of each fn; ``ratio(a, b)``: the median over rounds of a's time
+    over b's in the same round, which drift within a run (another tenant, the CPU's clock)
+    moves far less than a ratio of two medians."""
+
+    def __init__(self, times: dict):
+        super().__init__({k: statistics.median(v) for k, v in times.items()})
+        self.times = times
+
+    def ratio(self, a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(self.times[a], self.times[b], strict=True))
+
+
+def interleaved(fns: dict, repeats: int, warmup: int = 2) -> Timings:
+    """Each fn's times, run round-robin so drift hits all alike, in a fresh (seeded) order each
+    round: a fixed order gives each fn the same predecessor, whose caches and allocations it
+    inherits."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -95,7 +108,7 @@ def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict:
             t = time.perf_counter()
             fns[k]()
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return Timings(times)
 
 
 def train_step(model, batch):
@@ -145,7 +158,7 @@ def autocast_step(model, batch, dtype=torch.bfloat16):
 def bench_autocast(model, batch, repeats):
     safe = nanpass.harden(model)
     t = interleaved({"plain": autocast_step(model, batch), "nanpass": autocast_step(safe, batch)}, repeats)
-    return {"plain_ms": t["plain"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3, "ratio": t["nanpass"] / t["plain"]}
+    return {"plain_ms": t["plain"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3, "ratio": t.ratio("nanpass", "plain")}
 
 
 def bench_eager(name, model, batch, repeats):
@@ -154,7 +167,7 @@ def bench_eager(name, model, batch, repeats):
     for kind, make in (("forward", forward_only), ("train step", train_step)):
         t = interleaved({"plain": make(model, batch), "nanpass": make(safe, batch)}, repeats)
         res[kind] = {"plain_ms": t["plain"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3,
-                     "ratio": t["nanpass"] / t["plain"]}
+                     "ratio": t.ratio("nanpass", "plain")}
     plain_saved, safe_saved = saved_numel(train_step(model, batch)), saved_numel(train_step(safe, batch))
     res["saved_for_backward"] = {"plain": plain_saved, "nanpass": safe_saved, "ratio": safe_saved / plain_saved}
     res["guarded_ops"] = sum(c.action == "guarded" for c in safe.changes)
@@ -176,9 +189,9 @@ def bench_check_mode(model, batch, repeats):
 
     t = interleaved({"plain": plain, "check": train_step(checked, batch), "anomaly": anomaly,
                      "enable": enabled}, repeats)
-    return {"plain_ms": t["plain"] * 1e3, "check_ratio": t["check"] / t["plain"],
-            "enable_check_ratio": t["enable"] / t["plain"],
-            "detect_anomaly_ratio": t["anomaly"] / t["plain"]}
+    return {"plain_ms": t["plain"] * 1e3, "check_ratio": t.ratio("check", "plain"),
+            "enable_check_ratio": t.ratio("enable", "plain"),
+            "detect_anomaly_ratio": t.ratio("anomaly", "plain")}
 
 
 def bench_compiled(model, batch, repeats, shapes=False):
@@ -205,13 +218,13 @@ def bench_compiled(model, batch, repeats, shapes=False):
         fns["shapes"] = train_step(sh, batch)
     t = interleaved(fns, repeats)
     out = {"inductor_ms": t["inductor"] * 1e3, "nanpass_ms": t["nanpass"] * 1e3,
-           "ratio": t["nanpass"] / t["inductor"], "compiled_harden_ms": t["harden"] * 1e3,
-           "compiled_harden_ratio": t["harden"] / t["inductor"],
-           "compiled_check_ms": t["check"] * 1e3, "compiled_check_ratio": t["check"] / t["inductor"],
+           "ratio": t.ratio("nanpass", "inductor"), "compiled_harden_ms": t["harden"] * 1e3,
+           "compiled_harden_ratio": t.ratio("harden", "inductor"),
+           "compiled_check_ms": t["check"] * 1e3, "compiled_check_ratio": t.ratio("check", "inductor"),
            "compile_s_inductor": t_ind,
            "compile_s_nanpass": t_np, "compile_ratio": t_np / t_ind}
     if shapes:
-        out["shape_checks_ratio"] = t["shapes"] / t["inductor"]
+        out["shape_checks_ratio"] = t.ratio("shapes", "inductor")
     return out
 
 
@@ -426,7 +439,7 @@ def bench_spike(repeats: int, every: int = 100) -> dict:
     snap = statistics.median(snaps)
     increment = alone["spikeguard"] - alone["stepguard"]
     return {"stepguard_ms": t["stepguard"] * 1e3, "spikeguard_ms": t["spikeguard"] * 1e3,
-            "no_spike_ratio": t["spikeguard"] / t["stepguard"],
+            "no_spike_ratio": t.ratio("spikeguard", "stepguard"),
             "guard_alone_ms": {k: v * 1e3 for k, v in alone.items()}, "increment_ms": increment * 1e3,
             "no_spike_ratio_from_increment": 1 + increment / t["stepguard"],
             "snapshot_ms": snap * 1e3, "every": every,

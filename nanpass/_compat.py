@@ -21,6 +21,12 @@ hardened call is running.
   kernels (``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``)
   reach their rules.
 - ``dynamo_overridable``: two tables dynamo keeps of its own (see ``_teach_dynamo``).
+- ``eager_handler``: dynamo's per-code frame strategy, so that it never compiles a mode's
+  ``__torch_function__`` (or what it calls) as a frame of its own where it runs eagerly.
+- ``graph_mode_stack``: the graphs dynamo compiles with a nanpass mode on the stack run with
+  it popped (they hold its guards already); the torch-function stack's C accessors.
+- ``constant_result``: a lookup in the rule table that dynamo calls rather than traces (a
+  traced dict lookup guards each key it passes, re-checked on every call of the frame).
 - ``dynamo_cache_entries``: dynamo's compiled entries of a code object, so that
   ``nanpass.report(compiled)`` finds every graph of a model, after graph breaks too.
 - ``inner_compiler``: the aot_eager and inductor compilers the backend hands its graph to.
@@ -379,6 +385,29 @@ def _after_import(name: str, patch) -> None:
 
 
 # -- compiled paths -----------------------------------------------------------------------
+
+
+@entry("constant_result", "the mark torch.compiler.assume_constant_result puts on a function "
+       "(its _dynamo_marked_constant attribute), set without importing dynamo", at_import=False)
+def _constant_result_probe():
+    def probe():
+        return 0
+
+    torch.compiler.assume_constant_result(probe)
+    if getattr(probe, _CONSTANT_MARK, False) is not True:
+        raise AttributeError(f"assume_constant_result no longer sets {_CONSTANT_MARK}")
+    return probe
+
+
+_CONSTANT_MARK = "_dynamo_marked_constant"
+
+
+def constant_result(fn):
+    """``fn`` called, not traced, by dynamo: its result is a constant of the graph. The public
+    decorator imports dynamo (seconds at ``import nanpass``); a torch that reads another mark
+    traces ``fn`` instead, which is slower, never wrong."""
+    setattr(fn, _CONSTANT_MARK, True)
+    return fn
 
 
 @entry("dynamo_cache_entries", "torch._dynamo.eval_frame._debug_get_cache_entry_list",

@@ -5,7 +5,6 @@ op is one ``Rule`` (plus, where needed, one guard in ``_guards.py``).
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -942,19 +941,6 @@ def _call_index() -> dict:
 CALLS: dict = _call_index()
 
 
-# CALLS by each callable's hash, a bucket of (callable, entry) pairs to compare by identity:
-# the lookup dynamo guards by the one bucket it reads. Keyed by the callable itself, dynamo
-# guards the dict's key order, every key up to the one found: about 1,300 guards on GPT-2,
-# checked on each call of each frame. (Not by id: dynamo has no id for a callable it made.)
-CALLS_BY_HASH: dict = {}
-for _fn, _entry in CALLS.items():
-    CALLS_BY_HASH[hash(_fn)] = (*CALLS_BY_HASH.get(hash(_fn), ()), (_fn, _entry))
-del _fn, _entry
-
-# the table's functions dynamo hashes as another (torch._tensor's operators, each a wrapper of
-# the function it names, Tensor.__rdiv__): looked up by identity under dynamo
-PY_WRAPPED: tuple = tuple((fn, hit) for fn, hit in CALLS.items()
-                          if isinstance(fn, types.FunctionType) and hasattr(fn, "__wrapped__"))
 _BY_TARGET, _BY_MODULE = _index()
 
 
