@@ -200,7 +200,8 @@ def graphs_run_outside(mode_type: type) -> None:
 def _graph_mode_stack():
     from torch._dynamo.output_graph import OutputGraph
 
-    return (OutputGraph.call_user_compiler, OutputGraph.__init__, torch._C._len_torch_function_stack,
+    # an OutputGraph without torch_function_mode_stack: its graphs keep the mode, as before
+    return (OutputGraph.call_user_compiler, torch._C._len_torch_function_stack,
             torch._C._get_function_stack_at, torch._C._pop_torch_function_stack,
             torch._C._push_on_torch_function_stack)
 
