@@ -404,7 +404,7 @@ class _ReadsAfterABreakInAGuard(torch.nn.Module):
 def test_a_graph_break_inside_a_guard_keeps_every_call_after_it(backend):
     """Where a guard graph-breaks, dynamo runs the mode's ``__torch_function__`` eagerly, and
     then compiled it as a frame of its own that guards nothing on ``func``: every later call
-    through that frame ran the first call's graph (``c.is_complex()`` returned a tensor,
+    through that frame ran the first call's graph (``a.is_complex()`` returned a tensor,
     ``torch.full`` in nn.TransformerEncoder got a dtype for its device). The modes' handlers
     now run as written wherever they run eagerly."""
     torch._dynamo.reset()
