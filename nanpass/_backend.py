@@ -24,13 +24,14 @@ from ._config import Config, make_config
 from ._errors import ConfigError
 from ._rewrite import Change, GraphRecord, rewrite_and_record, untap
 from ._rules import CALLS
+from ._selfcheck import refuse_broken_guards
 from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
 from ._source import module_path, user_frame
 from ._watch import GraphSites, Watch
 from ._watch import inplace as _inplace
 
 OPTIONS = ("mode", "ops", "exclude_ops", "exclude", "constants", "stable", "inner",
-           "shape_checks", "dynamic_dims", "count")
+           "shape_checks", "dynamic_dims", "count", "selfcheck")
 
 # every graph the backend compiled, in order, and the record of each compiled callable, so
 # nanpass.report(compiled_model) can find its own graphs through dynamo's cache
@@ -179,8 +180,12 @@ def _shape_checks(gm: fx.GraphModule, record: GraphRecord, config: Config,
     """Enforce the first compile's shapes: dynamo recompiles on a new static shape, and the
     recompile is compared here (so nothing runs per call). A symbolic dim is free when its
     symbols come only from declared dynamic dims of the inputs."""
-    key = (graph_key(gm), tuple(id(r()) for r in record.params))
-    first = first_shapes.setdefault(key, graph_shapes(gm))
+    params = [r() for r in record.params]
+    key = (graph_key(gm), tuple(id(p) for p in params))
+    held = first_shapes.get(key)  # (the parameters, weakly; the shapes): ids of live ones only
+    if held is None or any(r() is not p for r, p in zip(held[0], params, strict=True)):
+        held = first_shapes[key] = (record.params, graph_shapes(gm))
+    first = held[1]
     if first is not None:
         compare_shapes(gm, first, dict(config.dynamic_dims))
     asserts = insert_asserts(gm, graph_shapes(gm))
@@ -220,6 +225,7 @@ def _config(options: dict) -> Config:
             + ", ".join(repr(o) for o in OPTIONS)
         )
     config = make_config(**options)
+    refuse_broken_guards(config)
     if config.count and config.inner != "eager":
         what = "mode='guard+check'" if config.mode == "guard+check" else "count=True"
         raise ConfigError(

@@ -62,6 +62,9 @@ class Config:
     quarantine: bool = False  # harden: rows with non-finite inputs are zeroed in, marked NaN out
     watch: int | None = 100  # harden: every `watch` calls, count what guards change; None: off
     dynamic_dims: tuple[tuple[int, str], ...] = ((0, "batch"),)
+    # run the rule table's bad operands through the guards first (_selfcheck): None, on a torch
+    # outside the tested releases (or with NANPASS_SELFCHECK=1); True always; False never
+    selfcheck: bool | None = None
 
     def excluded(self, module_path: str) -> bool:
         return any(module_path == p or module_path.startswith(p + ".") for p in self.exclude)
@@ -156,6 +159,7 @@ def make_config(
     quarantine: bool = False,
     watch: int | None = 100,
     module_paths: Iterable[str] | None = None,
+    selfcheck: bool | None = None,
 ) -> Config:
     if not isinstance(mode, str) or mode not in MODES:
         raise ConfigError(f"nanpass: unknown mode {mode!r}; valid modes: {_choices(MODES)}")
@@ -163,6 +167,8 @@ def make_config(
         raise ConfigError(f"nanpass: unknown inner compiler {inner!r}; valid: {_choices(INNERS)}")
     stable, shape_checks = _flag("stable", stable), _flag("shape_checks", shape_checks)
     count, quarantine = _flag("count", count), _flag("quarantine", quarantine)
+    if selfcheck is not None:
+        selfcheck = _flag("selfcheck", selfcheck)
     if watch is not None and (isinstance(watch, bool) or not isinstance(watch, int) or watch < 1):
         raise ConfigError(f"nanpass: watch is how many calls apart guards are sampled, a positive "
                           f"int (default 100), or None to turn the watch off; got {watch!r}")
@@ -232,4 +238,5 @@ def make_config(
         watch=watch,
         dynamic_dims=tuple(sorted(dynamic_dims_of(dynamic_dims).items())),
         inner=inner,
+        selfcheck=selfcheck,
     )

@@ -24,6 +24,7 @@ from ._compat import eager_handler, foreach_norm, graphs_run_outside
 from ._config import _choices, make_config
 from ._errors import ConfigError, NanpassError
 from ._intercept import GuardMode, Sites
+from ._selfcheck import refuse_broken_guards
 from ._stats import StatRow, Stats
 from ._train import _local
 
@@ -65,6 +66,7 @@ class Enabled:
         self.report_path = report
         config = make_config(mode="guard" if mode == "count" else mode, count=mode == "count",
                              watch=None if mode != "guard" else 100, **options)
+        refuse_broken_guards(config)
         self.config = config
         self.sites = Sites(None, config, config.watch)
         self.skipped = 0

@@ -260,7 +260,10 @@ def _hook_fences(out, edges: dict, floor: int) -> None:
             roots[id(node)] = node
     if not roots:
         return
-    readers, seen, stack = [], set(roots), list(roots.values())
+    # the walk holds every node wrapper it has met (``seen`` maps id to the node): torch <= 2.12
+    # frees a node's Python wrapper once nothing refers to it, and a later wrapper could take
+    # the freed address and pass for a node already walked (its readers never hooked)
+    readers, seen, stack = [], dict(roots), list(roots.values())
     while stack:
         node = stack.pop()
         at = []
@@ -270,7 +273,7 @@ def _hook_fences(out, edges: dict, floor: int) -> None:
             if (id(nxt), nr) in edges:
                 at.append(i)
             elif id(nxt) not in seen and floor <= node_sequence_nr(nxt) and nxt.next_functions:
-                seen.add(id(nxt))
+                seen[id(nxt)] = nxt
                 stack.append(nxt)
         if at:
             readers.append((node, frozenset(at)))
@@ -497,8 +500,14 @@ def logit(fn, args, kwargs, consts, fence):
     c = consts(x.dtype)
     eps = rest[0] if rest else kw.get("eps")
     lo, hi = c["lo"], c["hi"]
-    if eps is not None:  # respect the user's eps, but never 1 - eps == 1.0
-        lo, hi = max(lo, _in_dtype(eps, x.dtype)), min(hi, _in_dtype(1 - eps, x.dtype))
+    if eps is not None:
+        e_lo, e_hi = _in_dtype(eps, x.dtype), _in_dtype(1 - eps, x.dtype)
+        if e_lo >= lo and e_hi <= hi:
+            # the op's own clip (x < eps ? eps : x > 1 - eps ? 1 - eps : x, bounds crossed
+            # above eps = 0.5 included) keeps it inside the guard's: the original's bits
+            return fn(fence(x), *rest, **kw)
+        # respect the user's eps, but never 1 - eps == 1.0
+        lo, hi = max(lo, e_lo), min(hi, e_hi)
     xs = clip(_raised(x, lo), None, hi)
     _count(lambda: xs != x)
     return fn(fence(xs), *rest, **kw)
@@ -736,7 +745,8 @@ class _EachRead(TorchFunctionMode):
 
     def __init__(self, fence, operands: list):
         super().__init__()
-        self.fence, self.ids = fence, {id(t) for t in operands}
+        # ids of operands the mode holds (``operands``), so no other tensor can take one
+        self.fence, self.operands, self.ids = fence, operands, {id(t) for t in operands}
 
     def _read(self, a):
         return self.fence(a) if id(a) in self.ids else a

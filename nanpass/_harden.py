@@ -17,6 +17,7 @@ from ._config import Config, dynamic_dims_of, make_config
 from ._errors import ConfigError, NanpassTypeError
 from ._intercept import GuardMode, Sites, run_guarded
 from ._rewrite import Change, GraphRecord, summary
+from ._selfcheck import refuse_broken_guards
 from ._shapes import InputShapes
 from ._stats import warn_fired
 from ._train import quarantine_call
@@ -246,6 +247,7 @@ def harden(
     count: bool = False,
     quarantine: bool = False,
     watch: int | None = 100,
+    selfcheck: bool | None = None,
 ) -> Hardened:
     """Return ``model`` with every numerically unsafe op guarded, forward and backward.
 
@@ -274,6 +276,10 @@ def harden(
 
     ``quarantine=True`` replaces every batch row with a NaN/Inf in an input by zeros before the
     model and marks that row NaN in the outputs, for ``nanpass.finite_mean`` to drop.
+
+    ``selfcheck``: on a torch outside the tested releases the first use runs the rule table's
+    own bad operands through the guards and refuses any guard that is not finite there (about a
+    second, once); ``selfcheck=False`` skips it, ``True`` runs it on any torch.
 
     ``count=True`` keeps, per guard, how many elements it changed (on the device, no sync per
     op): ``nanpass.stats(model)``.
@@ -308,8 +314,9 @@ def harden(
     config = make_config(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
         stable=stable, count=count, quarantine=quarantine, shape_checks=shape_checks, watch=watch,
-        module_paths=[name for name, _ in model.named_modules()],
+        module_paths=[name for name, _ in model.named_modules()], selfcheck=selfcheck,
     )
+    refuse_broken_guards(config)
     shapes = None
     if shape_checks:
         shapes = (_examples(example_inputs), dynamic_dims_of(dynamic_dims))

@@ -104,7 +104,10 @@ class Sites:
         self._seen: set = set()  # (site key, action, reason) already recorded
         self._changes_by_key: dict = {}
         self._pending: dict = {}  # site key -> its Counter, until the guard first runs
-        self._paths: dict[int, str] = {}
+        self._paths: dict[int, tuple[weakref.ref, str]] = {}  # id -> (the module, its path)
+        # the modules whose ids the site keys hold, held weakly: a module freed (one swapped
+        # out) can leave its id to a new one, whose sites must not be taken for the old one's
+        self._modules: dict[int, weakref.ref] = {}
         self._lock = threading.Lock()
         # check mode looks at every call, not only the table's (_watch.py)
         self.checker = Watch(self, config.mode == "warn") if config.mode in ("check", "warn") else None
@@ -125,14 +128,36 @@ class Sites:
     def _path(self, module: torch.nn.Module | None) -> str | None:
         if module is None:
             return ""
-        path = self._paths.get(id(module))
-        if path is None:  # a module swapped in since the last look: look again
+        got = self._paths.get(id(module))
+        if got is None or got[0]() is not module:  # a module swapped in since the last look
+            found = {id(m): (weakref.ref(m), name) for name, m in
+                     (self.model if self.model is not None else _outermost(module)).named_modules()}
             if self.model is not None:
-                self._paths = {id(m): name for name, m in self.model.named_modules()}
+                self._paths = found
             else:  # nanpass.enable: every model the program runs, each named from its root
-                self._paths.update({id(m): name for name, m in _outermost(module).named_modules()})
-            path = self._paths.get(id(module))
-        return path
+                self._paths.update(found)
+            got = self._paths.get(id(module))
+        return got[1] if got is not None and got[0]() is module else None
+
+    def _module_key(self, module) -> int:
+        """``id(module)`` for a site key, the sites of a freed module with the same id
+        forgotten first."""
+        mid = id(module)
+        if module is None:
+            return mid
+        ref = self._modules.get(mid)
+        if ref is None or ref() is not module:
+            if ref is not None:
+                self._forget(mid)
+            self._modules[mid] = weakref.ref(module)
+        return mid
+
+    def _forget(self, mid: int) -> None:
+        with self._lock:
+            for d in (self._runs, self._pending, self._sampled, self._streak, self._changes_by_key):
+                for k in [k for k in d if isinstance(k, tuple) and len(k) > 2 and k[2] == mid]:
+                    del d[k]
+            self._seen = {t for t in self._seen if not (t[0] and t[0][2] == mid)}
 
     @staticmethod
     def _where(depth: int):
@@ -169,7 +194,7 @@ class Sites:
         if torch.compiler.is_compiling():  # no frames to walk, no site dict to read
             return self._traced(rule, sp, args, kwargs)
         module, frame = self._where(3)
-        key = (rule.name, sp.name, id(module), frame.f_code if frame else None,
+        key = (rule.name, sp.name, self._module_key(module), frame.f_code if frame else None,
                frame.f_lasti if frame else None)
         return self._run_for(key, rule, sp, module, frame, args, kwargs)
 

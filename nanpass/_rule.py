@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -25,8 +26,10 @@ Tensor = torch.Tensor
 TINY_MAX = {"lo": lambda b: b.tiny, "hi": lambda b: b.max}
 
 
-@dataclass(frozen=True)
-class Spelling:
+class Spelling(NamedTuple):
+    """One way a user writes an op. A named tuple, not a frozen dataclass: dynamo 2.11 cannot
+    call a callable read from a frozen dataclass's field (``sp.call(...)`` in a traced guard)."""
+
     kind: str  # function | operator | method | module
     name: str  # as a user would write it: "torch.div", "operator.truediv", "Tensor.div_", "nn.Softmax"
     target: object  # the fx node target: a callable, a method name, or a module class

@@ -109,8 +109,11 @@ class _Producers(TorchFunctionMode):
             if self.tracker.failed is None:  # the innermost op that raised
                 self.tracker.failed = (name, next(iter(_tensors((args, kwargs))), None), _caller())
             raise
+        made_by = self.tracker.made_by
         for t in _tensors(out):
-            self.tracker.made_by.setdefault(id(t), (f"{name} in {self.tracker.current() or '<root>'}", _caller()))
+            if id(t) not in made_by:
+                made_by[id(t)] = (f"{name} in {self.tracker.current() or '<root>'}", _caller())
+                self.tracker.keep.append(t)  # held, so its id stays its own
         return out
 
 

@@ -15,6 +15,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 
+# every tested torch runs the self-check at the first harden / backend / enable of each test
+# process (nanpass/_selfcheck.py), as an untested one does for a user
+os.environ.setdefault("NANPASS_SELFCHECK", "1")
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 import nanpass
+from nanpass import _guards
 
 D = 8  # feature width of the small models
 B = 4  # batch
@@ -1484,3 +1485,47 @@ def test_a_bad_row_of_logits_leaves_the_other_rows_training():
         _CE()(a, y).backward()
         nanpass.harden(_CE())(b, y).backward()
         assert torch.equal(b.grad[keep], a.grad[keep]) and (b.grad[1] == 0).all()
+
+
+# -- crossed clip bounds (issue 37, item 5) ------------------------------------------------
+
+
+class _Logit(nn.Module):
+    def __init__(self, eps):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return torch.logit(x, eps=self.eps)
+
+
+@pytest.mark.parametrize("eps", [0.6, 0.75, 0.9, 0.5, 0.25, 0.125])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_logit_with_the_users_eps_keeps_the_originals_bits(eps, dtype):
+    """``torch.logit(x, eps)`` reads ``x < eps ? eps : x > 1 - eps ? 1 - eps : x``: above 0.5
+    the bounds cross, and values below eps go to eps, the rest to 1 - eps (an OpInfo sample).
+    The hardened call keeps every value and gradient bit, bounds crossed or not."""
+    values = [0.0, 0.1, 0.25, 0.5, 0.55, 0.7, 0.9, 1.0]
+    x = torch.tensor(values, dtype=dtype, requires_grad=True)
+    xh = torch.tensor(values, dtype=dtype, requires_grad=True)
+    want, got = _Logit(eps)(x), nanpass.harden(_Logit(eps))(xh)
+    assert torch.isfinite(want).all()  # every eps here is inside the dtype: the original is finite
+    assert torch.equal(bits(got), bits(want)), f"{got} != {want}"
+    want.sum().backward()
+    got.sum().backward()
+    assert torch.equal(bits(xh.grad), bits(x.grad))
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lo=st.floats(-3, 3), hi=st.floats(-3, 3),
+       xs=st.lists(st.one_of(st.floats(-4, 4), st.sampled_from([-math.inf, math.inf, 0.0, -0.0])),
+                   min_size=1, max_size=8))
+def test_the_where_form_of_clip_is_clamp_on_every_input(monkeypatch, lo, hi, xs):
+    """The clip a guard takes where clamp's gradient at a bound is 0 (torch >= 2.14) gives
+    clamp's values on every input, crossed bounds (``lo > hi``: clamp gives ``hi``) included;
+    forced here on every torch."""
+    monkeypatch.setattr(_guards, "CLAMP_GRAD_AT_BOUNDS", False)
+    x = torch.tensor(xs, requires_grad=True)
+    for a, b in ((lo, hi), (lo, None), (None, hi)):
+        got = _guards.clip(x, a, b)
+        assert torch.equal(bits(got), bits(torch.clamp(x, a, b))), (a, b, xs)

@@ -532,6 +532,14 @@ def _normal_policy(m, obs, action):
     return D.Normal(mu, std, validate_args=False).log_prob(action)
 
 
+def _normal_policy_make():
+    lin = nn.Linear(1, 2)
+    with torch.no_grad():  # set, not drawn: log_std = obs, and exp(-110) is 0 in float32 (< 1.4e-45)
+        lin.weight.copy_(torch.tensor([[0.5], [1.0]]))
+        lin.bias.zero_()
+    return Fn(_normal_policy, mods={"lin": lin})
+
+
 def _beta(m, c, x):
     return D.Beta(c, c).log_prob(x)
 
@@ -611,14 +619,6 @@ def _angle_between(m, a, b):
 
 def _cos_acos(m, x, y):
     return torch.acos(F.cosine_similarity(x, y))
-
-
-def _cos_gt_one_vector():
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):  # the third draw: cosine_similarity(v, v) = 1.0000002 in float32
-        v = torch.randn(1, 64, generator=gen)
-    assert F.cosine_similarity(v, v).item() > 1
-    return v
 
 
 def _quaternion_to_axis_angle(m, q):
@@ -1409,7 +1409,7 @@ CASES: dict[str, Case] = {
         lambda: (leaf(_f(2, 2, 3, 3)),)),
     # probability distributions
     "normal_std_underflow": Case(
-        lambda: Fn(_normal_policy, mods={"lin": nn.Linear(1, 2)}),
+        _normal_policy_make,
         lambda: (leaf(torch.tensor([[-110.0]])), torch.tensor([0.0])),
         lambda: (leaf(torch.tensor([[-1.0]])), torch.tensor([0.0]))),
     "beta_log_prob_boundary": Case(
@@ -1443,15 +1443,21 @@ CASES: dict[str, Case] = {
     # linear algebra, distances
     "eigh_degenerate_backward": Case(
         lambda: Fn(_eigh, params={"scale": torch.ones(())}),
+        # already diagonal: every Householder vector is 0 and the tridiagonal splits, so the
+        # eigenvalues are exactly 1, 1, 1 on any LAPACK
         lambda: (leaf(torch.eye(3)),),
         lambda: (leaf(torch.diag(torch.tensor([1.0, 2.0, 3.0])) + 0.1 * _f(3, 3)),)),
     "svd_repeated_zero_singular_values": Case(
         lambda: Fn(_svd, params={"scale": torch.ones(())}),
+        # rows 3-14 are exactly 0 and no Householder reflection mixes them in: the bidiagonal
+        # splits off eleven exact zero singular values on any LAPACK (0/0 in the backward)
         lambda: (leaf(_rank3_matrix()),),
         lambda: (leaf(_f(6, 6)),)),
     "logdet_singular": Case(
         lambda: Fn(_logdet, params={"scale": torch.ones(())}),
-        lambda: (leaf(torch.tensor([[1.0, 2.0, 3.0], [2.0, 5.0, 6.0], [3.0, 6.0, 9.0]])),),
+        # exact duplicate rows: LU subtracts a row from its copy, 0 on any CPU (a rank-2 matrix
+        # with unequal rows, [[1, 2, 3], [2, 5, 6], [3, 6, 9]], has logdet -15.13 on AVX-512)
+        lambda: (leaf(torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [0.0, 1.0, 4.0]])),),
         lambda: (leaf(torch.tensor([[2.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 4.0]])),)),
     "sq_dist_sqrt_repeated_points": Case(
         lambda: Fn(_exp_kernel, params={"lengthscale": torch.ones(())}),
@@ -1474,7 +1480,9 @@ CASES: dict[str, Case] = {
         fixed_in="2.14"),
     "cosine_similarity_above_one_acos": Case(
         lambda: Fn(_cos_acos),
-        lambda: (leaf(_cos_gt_one_vector()), leaf(_cos_gt_one_vector())),
+        # x = (2, 3): |x|^2 = 13 exact, then a correctly rounded sqrt, /, * and a two-term sum
+        # give 1.0000001 on any IEEE machine (a random 64-vector's sum order follows the SIMD width)
+        lambda: (leaf(torch.tensor([[2.0, 3.0]])), leaf(torch.tensor([[2.0, 3.0]]))),
         lambda: (leaf(_f(1, 64)), leaf(_f(1, 64, seed=1)))),
     "quaternion_to_axis_angle_identity": Case(
         lambda: Fn(_quaternion_to_axis_angle),
@@ -1698,7 +1706,9 @@ CASES: dict[str, Case] = {
         lambda: (leaf(torch.tensor([[1.5, 0.5, 1.0]])), torch.tensor([[1.2, 0.4, -0.5]]))),
     "mobius_artanh_norm_one": Case(
         lambda: Fn(_mobius_dist, params=_one()),
-        lambda: (leaf(torch.tensor([[-0.3, 0.0]])), torch.tensor([[0.6, 0.8]])),
+        # dyadic, exact: (0.5, 0) (+) (1, 0) = (2.25, 0) / 2.25 = (1, 0); (0.3, 0) (+) (0.6, 0.8) had
+        # its norm round to 1 only through the norm kernel's rounding
+        lambda: (leaf(torch.tensor([[-0.5, 0.0]])), torch.tensor([[1.0, 0.0]])),
         lambda: (leaf(torch.tensor([[0.1, 0.0]])), torch.tensor([[0.3, 0.4]]))),
     "sinkhorn_zero_marginal_entropy": Case(
         lambda: Fn(_sinkhorn_log_entropy, params=_one()),

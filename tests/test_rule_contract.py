@@ -19,19 +19,16 @@ from hypothesis import strategies as st
 
 from nanpass._config import make_config
 from nanpass._guards import finite_call as g_finite_call
-from nanpass._rewrite import make_guard
 from nanpass._rules import RULES
+from nanpass._selfcheck import NO_SAMPLE, callables
+from nanpass._selfcheck import finite as _finite
+from nanpass._selfcheck import floats as _floats
+from nanpass._selfcheck import grads as _grads
+from nanpass._selfcheck import leaves as _leaves
+from nanpass._selfcheck import seconds as _seconds
 from tests.helpers import bits
 
 CONFIG = make_config()
-# inference fast paths, reached only as dynamo captures nn.MultiheadAttention in eval + no_grad:
-# their operands are a dozen internals, tested as such in test_contract.py
-NO_SAMPLE = {"mha_fast_path", "encoder_layer_fast_path"}
-
-
-def _spelling(rule):
-    kind = "module" if rule.name == "multi_head_attention" else "function"
-    return next(s for s in rule.spellings() if s.kind == kind)
 
 
 def _implementation(guard) -> tuple:
@@ -72,48 +69,10 @@ GOOD_CASES = [pytest.param(*c.values, marks=[*c.marks, pytest.mark.slow], id=c.i
 
 def _callables(rule, dtype, compiled: bool):
     """(guarded, original): both take the sample's operands."""
-    sp = _spelling(rule)
-    g = make_guard(rule, sp, CONFIG.consts(rule.name) if rule.constants else None)
-    if sp.kind == "module":
-        torch.manual_seed(0)
-        mod = sp.target(*rule.sample.ctor[sp.name]).to(dtype)
-
-        def guarded(*a, **k):
-            return g(mod, *a, **k)
-
-        original = mod
-    else:
-        guarded, original = g, sp.call
+    guarded, original = callables(rule, dtype, CONFIG.consts(rule.name) if rule.constants else None)
     if compiled:
         guarded = torch.compile(guarded, backend="aot_eager", fullgraph=False)
     return guarded, original
-
-
-def _floats(out):
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
-
-
-def _leaves(args, kwargs):
-    seen, out = set(), []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor) and a.requires_grad and id(a) not in seen:
-            seen.add(id(a))
-            out.append(a)
-    return out
-
-
-def _grads(fn, args, kwargs, create_graph=False):
-    torch.manual_seed(0)  # ops that sample (gumbel_softmax) draw the same noise each run
-    outs = _floats(fn(*args, **kwargs))
-    leaves = _leaves(args, kwargs)
-    loss = sum(o.float().sum() for o in outs if o.requires_grad)
-    grads = torch.autograd.grad(loss, leaves, create_graph=create_graph, allow_unused=True)
-    return outs, leaves, [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)]
-
-
-def _finite(ts) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in ts)
 
 
 @pytest.mark.parametrize("rule,dtype,compiled", CASES)
@@ -135,15 +94,6 @@ def test_bad_operands_give_finite_values_and_derivatives(rule, dtype, compiled):
     # second derivatives (a gradient penalty, forces as -dE/dx): finite too
     hess = _seconds(grads, leaves) if second else []
     assert _finite(hess), f"{rule.name}: non-finite second derivative {hess}"
-
-
-def _seconds(grads, leaves) -> list:
-    """The gradient of the sum of the first derivatives (those that carry a graph)."""
-    seconds = [g for g in grads if g.requires_grad]
-    if not seconds:
-        return []
-    hess = torch.autograd.grad(sum(g.float().sum() for g in seconds), leaves, allow_unused=True)
-    return [h for h in hess if h is not None]
 
 
 @pytest.mark.parametrize("rule,dtype,compiled", GOOD_CASES)
@@ -358,7 +308,7 @@ def test_an_operand_that_fans_out_keeps_the_originals_gradient_bits(rule, dtype,
 
 
 @pytest.mark.parametrize("rule,dtype,compiled", [c for c in CASES if not c.values[2]])
-def test_two_stand_ins_multiplied_and_added_stay_finite(rule, dtype, compiled):
+def test_two_stand_ins_multiplied_and_added_stayfinite(rule, dtype, compiled):
     """Issue 28 item 2: where the original is not finite the guard's value is a stand-in whose
     square is at most max / 16 (sat, or log2(0)'s -44 in float16), so the ordinary arithmetic after two guards
     (``d[row] * w * d[col]``, a product plus a residual) stays finite; every finite value of
