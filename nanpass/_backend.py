@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ._check import flagged
-from ._compat import dynamo_cache_entries, inner_compiler
+from ._compat import dynamo_cache_entries, inductor_with, inner_compiler
 from ._config import Config, make_config
 from ._errors import ConfigError
 from ._rewrite import Change, GraphRecord, rewrite_and_record, untap
@@ -91,10 +91,54 @@ def graphs_of(model: torch.nn.Module) -> list[GraphRecord]:
     return [r for r in _COMPILED if any((p := ref()) is not None and id(p) in mine for ref in r.params)]
 
 
-def _inner(name: str, gm: fx.GraphModule, example_inputs):
+def _inner(name: str, gm: fx.GraphModule, example_inputs, inductor: Inductor | None = None):
     if name == "eager":
         return gm.forward
+    if name == "inductor" and inductor is not None and inductor.given:
+        return inductor_with(inductor.mode, inductor.options)(gm, example_inputs)
     return inner_compiler(name)(gm, example_inputs)
+
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inductor:
+    """What ``torch.compile`` asks of inductor beyond the graph: its ``mode`` (CUDA graphs
+    with "reduce-overhead") and the options that are inductor's own ("triton.cudagraphs")."""
+
+    mode: str | None = None
+    options: tuple = ()  # (key, value) pairs, as given
+
+    @property
+    def given(self) -> bool:
+        return (self.mode not in (None, "default")) or bool(self.options)
+
+
+def _inductor(mode, options: dict, inner: str) -> Inductor:
+    """``mode`` and inductor's options checked here, so that none is dropped: each reaches
+    inductor, or fails naming what cannot."""
+    if mode is not None and mode not in MODES:
+        raise ConfigError(f"nanpass: unknown torch.compile mode {mode!r}; valid modes: "
+                          + ", ".join(repr(m) for m in MODES))
+    wanted = Inductor(mode, tuple(options.items()))
+    if not wanted.given:
+        return wanted
+    if inner != "inductor":
+        asked = f"mode={mode!r}" if mode not in (None, "default") else \
+            f"inductor option {next(iter(options))!r}"
+        raise ConfigError(f"nanpass: {asked} is for inductor, and this backend's inner compiler "
+                          f"is {inner!r}; use inner='inductor' (the default) or leave it out")
+    try:
+        inductor_with(mode, options)
+    except RuntimeError as e:  # inductor's own check of each key and its type
+        bad = next((k for k in options if k in str(e) or k.replace("-", "_") in str(e)), None)
+        what = f"unknown backend option {bad!r}" if bad is not None else "an option inductor refuses"
+        valid = ", ".join(repr(o) for o in OPTIONS)
+        raise ConfigError(f"nanpass: {what}; valid options: {valid}, or an option of inductor's "
+                          f"(torch._inductor.config; inductor says: "
+                          f"{str(e).split(', known')[0]})") from None
+    return wanted
 
 
 class _WatchedGraph(fx.Interpreter):
@@ -138,6 +182,7 @@ def compile_graph(
     inner: str | None = None,
     keep: Callable[[GraphRecord], None] | None = None,
     first_shapes: dict | None = None,
+    inductor: Inductor | None = None,
 ):
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
@@ -157,7 +202,7 @@ def compile_graph(
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
         probe = tensors[0].device if tensors else torch.device("cpu")
         example_inputs = [*example_inputs, torch.zeros((), device=probe, requires_grad=True)]
-    compiled = eager if checking and inner == "eager" else _inner(inner, gm, example_inputs)
+    compiled = eager if checking and inner == "eager" else _inner(inner, gm, example_inputs, inductor)
     if probe is not None:
         untap(gm)
     if sites is not None:
@@ -196,14 +241,20 @@ class Backend:
     """A configured backend: ``torch.compile(model, backend=nanpass.backend(...))``.
     ``.graphs`` holds a GraphRecord for every graph it compiled."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, inductor: Inductor | None = None):
         self.config = config
+        self.inductor = inductor or Inductor()
         self.graphs: list[GraphRecord] = []
         self._first_shapes: dict = {}  # shape_checks: the first compile's shapes, per graph
 
-    def __call__(self, gm: fx.GraphModule, example_inputs, **_):
+    def __call__(self, gm: fx.GraphModule, example_inputs, mode: str | None = None,
+                 options: dict | None = None, **_):
+        inductor = self.inductor
+        if mode is not None or options:  # torch.compile(backend=nanpass.backend(), mode=...)
+            inductor = _inductor(mode or inductor.mode, {**dict(inductor.options), **(options or {})},
+                                 self.config.inner)
         return compile_graph(gm, example_inputs, self.config, keep=self._keep,
-                             first_shapes=self._first_shapes)
+                             first_shapes=self._first_shapes, inductor=inductor)
 
     def _keep(self, record: GraphRecord) -> None:
         self.graphs.append(record)
@@ -217,14 +268,14 @@ class Backend:
         return f"nanpass.backend({self.config.as_options() | {'inner': self.config.inner}})"
 
 
-def _config(options: dict) -> Config:
+def _config(options: dict, inductor_ok: bool = False) -> Config:
     unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
+    if unknown and not inductor_ok:
         raise ConfigError(
             f"nanpass: unknown backend option {unknown[0]!r}; valid options: "
             + ", ".join(repr(o) for o in OPTIONS)
         )
-    config = make_config(**options)
+    config = make_config(**{k: v for k, v in options.items() if k in OPTIONS})
     refuse_broken_guards(config)
     if config.count and config.inner != "eager":
         what = "mode='guard+check'" if config.mode == "guard+check" else "count=True"
@@ -235,20 +286,28 @@ def _config(options: dict) -> Config:
     return config
 
 
-def backend(inner: str = "inductor", **options) -> Backend:
-    """A backend callable with these options; ``inner`` is "inductor", "aot_eager" or "eager"."""
-    return Backend(_config({"inner": inner, **options}))
+def backend(inner: str = "inductor", *, compile_mode: str | None = None,
+            inductor_options: dict | None = None, **options) -> Backend:
+    """A backend callable with these options; ``inner`` is "inductor", "aot_eager" or "eager".
+    ``compile_mode`` ("reduce-overhead": CUDA graphs, "max-autotune", ...) and
+    ``inductor_options`` (``{"triton.cudagraphs": True}``) are inductor's, as
+    ``torch.compile``'s ``mode=`` and ``options=`` would give them."""
+    config = _config({"inner": inner, **options})
+    return Backend(config, _inductor(compile_mode, dict(inductor_options or {}), config.inner))
 
 
 _STATE = "__nanpass_first_shapes__"
 
 
-def nanpass_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
+def nanpass_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None,
+                    mode: str | None = None, **_):
     """The entry-point backend; ``torch.compile(..., options={...})`` arrives as ``options``,
     the same dict on every recompile of that compiled model: per-model state (the shapes
-    shape_checks compares recompiles with) lives in it, never in a global two models share."""
+    shape_checks compares recompiles with) lives in it, never in a global two models share.
+    ``torch.compile``'s ``mode`` and the options that are not nanpass's go to inductor."""
     options = options if options is not None else {}
     given = {k: v for k, v in options.items() if k != _STATE}
-    config = _config(given)
+    config = _config(given, inductor_ok=True)
+    inductor = _inductor(mode, {k: v for k, v in given.items() if k not in OPTIONS}, config.inner)
     first = options.setdefault(_STATE, {}) if config.shape_checks else None
-    return compile_graph(gm, example_inputs, config, first_shapes=first)
+    return compile_graph(gm, example_inputs, config, first_shapes=first, inductor=inductor)

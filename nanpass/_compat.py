@@ -30,6 +30,8 @@ hardened call is running.
 - ``dynamo_cache_entries``: dynamo's compiled entries of a code object, so that
   ``nanpass.report(compiled)`` finds every graph of a model, after graph breaks too.
 - ``inner_compiler``: the aot_eager and inductor compilers the backend hands its graph to.
+- ``inductor_wrapper``: inductor as ``torch.compile(mode=..., options=...)`` runs it, so the
+  backend hands ``mode="reduce-overhead"`` (CUDA graphs), max-autotune and inductor's options on.
 - ``fake_mode``: a ``FakeTensorMode`` (shape checks run the model on fake tensors), quiet.
 - ``sym_expr``: what a symbolic dim (``SymInt``) is built from.
 - ``foreach``: the fused per-list kernels StepGuard and check mode use.
@@ -433,6 +435,20 @@ def _inner_compilers():
     from torch._inductor.compile_fx import compile_fx
 
     return {"aot_eager": aot_eager, "inductor": compile_fx}
+
+
+@entry("inductor_wrapper", "torch._TorchCompileInductorWrapper(mode, options, dynamic): inductor "
+       "with torch.compile's mode and options applied, validated and its CUDA-graph setup done",
+       at_import=False)
+def _inductor_wrapper():
+    return torch._TorchCompileInductorWrapper
+
+
+def inductor_with(mode: str | None, options: dict | None):
+    """Inductor as ``torch.compile(mode=mode, options=options)`` would run it; raises
+    ``RuntimeError`` naming an option inductor does not have."""
+    require("inductor_wrapper", "the nanpass backend's mode= and inductor options")
+    return _inductor_wrapper()(mode, dict(options or {}), None)
 
 
 def inner_compiler(name: str):

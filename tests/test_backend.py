@@ -168,3 +168,83 @@ def test_ops_on_chunks_are_guarded():
     x = torch.tensor([[0.0, -1.0, 0.0, -4.0], [1.0, 2.0, 3.0, 4.0]])
     assert torch.isfinite(torch.compile(Chunks(), backend=be)(x)).all()
     assert sorted(c.op for c in be.changes if c.action == "guarded") == ["log", "log", "softmax", "sqrt"]
+
+
+# -- torch.compile's mode and inductor's options reach inductor (issue 38, item 3) -----------
+
+
+class _Handed:
+    """Stands in for inductor: records the mode and options it is built with, runs the graph."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, mode, options):
+        self.calls.append((mode, dict(options or {})))
+
+        def compile_(gm, example_inputs):
+            return gm.forward
+
+        return compile_
+
+
+@pytest.fixture
+def handed(monkeypatch):
+    from nanpass import _backend
+
+    h = _Handed()
+    monkeypatch.setattr(_backend, "inductor_with", h)
+    return h
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
+def test_torch_compile_mode_reaches_inductor(handed, mode):
+    m = Model()
+    out = torch.compile(m, backend="nanpass", mode=mode)(*_inputs(bad=True))
+    assert bool(torch.isfinite(out))
+    assert handed.calls and handed.calls[-1] == (mode, {})
+
+
+def test_inductor_options_reach_inductor_beside_nanpass_options(handed):
+    m = Model()
+    compiled = torch.compile(m, backend="nanpass",
+                             options={"triton.cudagraphs": True, "exclude_ops": ["pow"]})
+    compiled(*_inputs(bad=False))
+    assert handed.calls[-1] == (None, {"triton.cudagraphs": True})
+    (record,) = nanpass.report(compiled).graphs
+    assert all(c.op != "pow" or c.action == "left" for c in record.changes)
+
+
+def test_a_configured_backend_hands_on_its_mode_and_torch_compiles(handed):
+    b = nanpass.backend(compile_mode="reduce-overhead", inductor_options={"max_autotune": True})
+    torch.compile(Model(), backend=b)(*_inputs(bad=False))
+    assert handed.calls[-1] == ("reduce-overhead", {"max_autotune": True})
+    torch._dynamo.reset()
+    torch.compile(Model(), backend=nanpass.backend(), mode="max-autotune")(*_inputs(bad=False))
+    assert handed.calls[-1] == ("max-autotune", {})
+
+
+def test_plain_backend_use_builds_inductor_as_before(handed):
+    torch.compile(Model(), backend="nanpass")(*_inputs(bad=False))
+    assert handed.calls == []  # no mode, no option: inductor's compile_fx as it was
+
+
+def test_what_cannot_reach_inductor_fails_naming_it():
+    with pytest.raises(nanpass.ConfigError, match=r"^nanpass: mode='reduce-overhead' is for inductor"):
+        nanpass.backend(inner="aot_eager", compile_mode="reduce-overhead")
+    with pytest.raises(nanpass.ConfigError, match=r"^nanpass: inductor option 'triton.cudagraphs' is for inductor"):
+        nanpass.backend(inner="eager", inductor_options={"triton.cudagraphs": True})
+    with pytest.raises(nanpass.ConfigError, match=r"^nanpass: unknown torch.compile mode 'fast'"):
+        nanpass.backend(compile_mode="fast")
+    with pytest.raises(nanpass.ConfigError, match=r"^nanpass: unknown backend option 'no_such_option'"):
+        nanpass.backend(inductor_options={"no_such_option": 1})
+
+
+@pytest.mark.inductor
+def test_reduce_overhead_through_the_backend_under_real_inductor():
+    """On the CPU inductor skips CUDA graphs (they need CUDA inputs) and runs the graph: the
+    mode reached it, and the guards are in what runs."""
+    m = Model()
+    out = torch.compile(m, backend="nanpass", mode="reduce-overhead")(*_inputs(bad=True))
+    assert bool(torch.isfinite(out))
+    assert not bool(torch.isfinite(m(*_inputs(bad=True))))  # the plain model's NaN

@@ -534,7 +534,7 @@ def _normal_policy(m, obs, action):
 
 def _normal_policy_make():
     lin = nn.Linear(1, 2)
-    with torch.no_grad():  # set, not drawn: log_std = obs, and exp(-110) is 0 in float32 (< 1.4e-45)
+    with torch.no_grad():  # set, not drawn: log_std = obs; exp(-110) is 0 in float32 (< 1.4e-45)
         lin.weight.copy_(torch.tensor([[0.5], [1.0]]))
         lin.bias.zero_()
     return Fn(_normal_policy, mods={"lin": lin})
@@ -1706,8 +1706,8 @@ CASES: dict[str, Case] = {
         lambda: (leaf(torch.tensor([[1.5, 0.5, 1.0]])), torch.tensor([[1.2, 0.4, -0.5]]))),
     "mobius_artanh_norm_one": Case(
         lambda: Fn(_mobius_dist, params=_one()),
-        # dyadic, exact: (0.5, 0) (+) (1, 0) = (2.25, 0) / 2.25 = (1, 0); (0.3, 0) (+) (0.6, 0.8) had
-        # its norm round to 1 only through the norm kernel's rounding
+        # dyadic, exact: (0.5, 0) (+) (1, 0) = (2.25, 0) / 2.25 = (1, 0), norm 1 (the norm of
+        # (0.3, 0) (+) (0.6, 0.8) came to 1 only through the norm kernel's rounding)
         lambda: (leaf(torch.tensor([[-0.5, 0.0]])), torch.tensor([[1.0, 0.0]])),
         lambda: (leaf(torch.tensor([[0.1, 0.0]])), torch.tensor([[0.3, 0.4]]))),
     "sinkhorn_zero_marginal_entropy": Case(
