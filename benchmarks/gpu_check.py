@@ -5,9 +5,13 @@
    upstream gradient passes through;
 2. GPT-2 (12 layers, 768 wide) train step, hardened vs plain, float32 and bfloat16 autocast:
    time and peak memory (torch.cuda.max_memory_allocated), and the compiled step vs inductor;
-3. GradScaler with float16 autocast: the hardened run's scale trajectory equals the plain one.
+3. GradScaler with float16 autocast: the hardened run's scale trajectory equals the plain one;
+4. check mode and ``detect_anomaly`` beside the plain step (``check``); one step of each kind
+   under ``torch.cuda.set_sync_debug_mode("error")`` (``sync_debug``: where the host is read);
+   CUDA graphs (``mode="reduce-overhead"``) through ``compile(harden(m))`` and the backend
+   against inductor's own (``cuda_graphs``).
 
-    PYTHONPATH=. python benchmarks/gpu_check.py [--json out.json] [--no-compile]
+    PYTHONPATH=. python benchmarks/gpu_check.py [--json out.json] [--no-compile] [--sections a,b]
 """
 
 from __future__ import annotations
@@ -165,6 +169,84 @@ def step_times(compile_too: bool) -> dict:
     return out
 
 
+def check_rows() -> dict:
+    """Check mode and ``torch.autograd.detect_anomaly`` beside the plain step (issue 38)."""
+    model = gpt2()
+    check = nanpass.harden(model, mode="check")
+    ids = torch.randint(0, 50257, (8, 512), device=DEV)
+
+    def anomaly(autocast):
+        step = _step(model, ids, autocast)
+
+        def run():
+            with torch.autograd.detect_anomaly(check_nan=True):
+                step()
+
+        return run
+
+    out = {}
+    for autocast in (None, torch.bfloat16):
+        t = _time({"plain": _step(model, ids, autocast), "check": _step(check, ids, autocast),
+                   "detect_anomaly": anomaly(autocast)}, repeats=5)
+        key = f"{str(autocast)[6:]} autocast" if autocast else "float32"
+        out[key] = {**{f"{k}_ms": v for k, v in t.items()}, "check_ratio": t["check"] / t["plain"],
+                    "anomaly_ratio": t["detect_anomaly"] / t["plain"]}
+    return out
+
+
+def sync_debug() -> dict:
+    """One bfloat16 step of each kind under ``torch.cuda.set_sync_debug_mode("error")``: the
+    first host read of the step raises, and says where."""
+    model = gpt2()
+    ids = torch.randint(0, 50257, (8, 512), device=DEV)
+    out = {}
+    for name, m in (("plain", model), ("harden", nanpass.harden(model, watch=None)),
+                    ("harden watch=100", nanpass.harden(model)),
+                    ("check", nanpass.harden(model, mode="check"))):
+        step = _step(m, ids, torch.bfloat16)
+        step()  # warm: the first call of each site records it
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                step()
+            out[name] = "no host read in 3 steps"
+        except RuntimeError as e:
+            out[name] = "host read: " + str(e).strip().splitlines()[0][:200]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return out
+
+
+def cuda_graph_rows() -> dict:
+    """CUDA graphs (inductor's mode="reduce-overhead") with nanpass and without, bfloat16
+    autocast at 4 x 256, where a step is launch-bound: recorded once, replayed each step."""
+    from torch._dynamo.utils import counters
+
+    model = gpt2()
+    ids = torch.randint(0, 50257, (4, 256), device=DEV)
+
+    def step_of(m):
+        inner = _step(m, ids, torch.bfloat16)
+
+        def run():
+            torch.compiler.cudagraph_mark_step_begin()
+            inner()
+
+        return run
+
+    torch._dynamo.reset()
+    counters.clear()
+    fns = {"inductor": step_of(torch.compile(model, mode="reduce-overhead")),
+           "harden": step_of(torch.compile(nanpass.harden(model), mode="reduce-overhead")),
+           "backend": step_of(torch.compile(model, backend="nanpass", mode="reduce-overhead"))}
+    t = _time(fns, repeats=20)
+    return {**{f"{k}_ms": v for k, v in t.items()},
+            "harden_ratio": t["harden"] / t["inductor"], "backend_ratio": t["backend"] / t["inductor"],
+            "cudagraph_skips": dict(counters["inductor"]).get("cudagraph_skips", 0),
+            "inductor counters": {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}}
+
+
 def grad_scaler() -> dict:
     class Region(torch.nn.Module):
         def __init__(self):
@@ -199,23 +281,42 @@ def grad_scaler() -> dict:
     return {"same_trajectory": a == b, "distinct_scales": sorted(set(a)), "nanpass_distinct": sorted(set(b))}
 
 
+SECTIONS = ("contract", "grad_scaler", "steps", "check", "sync_debug", "cuda_graphs")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated, of: {', '.join(SECTIONS)}")
     args = ap.parse_args()
+    wanted = [x for x in args.sections.split(",") if x]
+    unknown = [x for x in wanted if x not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown section {unknown[0]!r}; valid: {', '.join(SECTIONS)}")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    t0 = time.perf_counter()
-    res["contract"] = contract()
-    print(f"contract on CUDA: {res['contract']['checked']} rule x dtype cases, "
-          f"{len(res['contract']['failures'])} failures ({time.perf_counter() - t0:.0f} s)", flush=True)
-    for f in res["contract"]["failures"]:
-        print("  ", f, flush=True)
-    res["grad_scaler"] = grad_scaler()
-    print("GradScaler float16 autocast:", res["grad_scaler"], flush=True)
-    res["gpt2"] = step_times(not args.no_compile)
-    for k, v in res["gpt2"].items():
-        print(f"GPT-2 12L 768 train step, {k}: {v}", flush=True)
+    print(f"{res['device']}, torch {res['torch']}", flush=True)
+    for name in wanted:
+        t0 = time.perf_counter()
+        if name == "contract":
+            res["contract"] = contract()
+            print(f"contract on CUDA: {res['contract']['checked']} rule x dtype cases, "
+                  f"{len(res['contract']['failures'])} failures", flush=True)
+            for f in res["contract"]["failures"]:
+                print("  ", f, flush=True)
+        elif name == "grad_scaler":
+            res["grad_scaler"] = grad_scaler()
+            print("GradScaler float16 autocast:", res["grad_scaler"], flush=True)
+        elif name == "steps":
+            res["gpt2"] = step_times(not args.no_compile)
+            for k, v in res["gpt2"].items():
+                print(f"GPT-2 12L 768 train step, {k}: {v}", flush=True)
+        else:
+            res[name] = {"check": check_rows, "sync_debug": sync_debug, "cuda_graphs": cuda_graph_rows}[name]()
+            for k, v in res[name].items():
+                print(f"{name}, {k}: {v}", flush=True)
+        print(f"  ({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
