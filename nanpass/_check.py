@@ -228,19 +228,16 @@ check_input.__module__ = "nanpass"
 def check_state(model: torch.nn.Module, warn: bool) -> None:
     """A NaN/Inf already in a parameter or buffer is the state's, not the first op's that reads
     it: one fused check (one sync) per call, and only on a hit a look for the name."""
-    named = [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers())
-             if t.is_floating_point() and t.numel()]
+    named = _state(model)
     if not named:
         return
-    # one fused norm per device and dtype (a NaN or Inf anywhere makes its norm non-finite)
-    groups: dict = {}
-    for k, (_, t) in enumerate(named):
-        groups.setdefault((t.device, t.dtype), []).append(k)
-    norms = [n.float() for ks in groups.values() for n in foreach_norm([named[k][1] for k in ks])]
-    if bool(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms])).all()):
+    if bool(torch.isfinite(state_scalar([t for _, t in named]))):
         return
     flags = torch.stack([(~torch.isfinite(t)).any() for _, t in named])
-    i = int(flags.nonzero()[0, 0])
+    hit = flags.nonzero()
+    if not hit.numel():
+        return  # (not reached: a largest magnitude is finite exactly when every value is)
+    i = int(hit[0, 0])
     name, t = named[i]
     kind = "parameter" if isinstance(t, torch.nn.Parameter) else "buffer"
     what = "NaN" if bool(torch.isnan(t).any()) else "Inf"
@@ -249,6 +246,27 @@ def check_state(model: torch.nn.Module, warn: bool) -> None:
     _report(Event("state", what, False, None,
                   f"nanpass: {what} in the {kind} {name!r} ({owner}) before the model ran: an earlier "
                   f"step or a checkpoint put it there ({describe(t)})", (describe(t),)), warn)
+
+
+def _state(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    return [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers())
+            if t.is_floating_point() and t.numel()]
+
+
+def state_tensors(model: torch.nn.Module) -> list[Tensor]:
+    return [t for _, t in _state(model)]
+
+
+def state_scalar(tensors: list[Tensor]) -> Tensor:
+    """A float64 scalar, finite exactly when every value of ``tensors`` is: one fused largest
+    magnitude (``ord=inf``) per device and dtype, which a finite tensor cannot overflow (an L2
+    norm of a float16 buffer holding -10000 does, issue 39)."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    norms = [n for ts in groups.values() for n in foreach_norm(ts, float("inf"))]
+    first = norms[0].device
+    return torch.stack([n.to(first, torch.float64) for n in norms]).sum()
 
 
 def nonfinite_flag(*tensors):

@@ -43,6 +43,7 @@ hardened call is running.
 - ``removed_ops``: torch keeps a raising stub for each op it removed (``torch.qr``,
   ``torch.cholesky`` since 2.14): a spelling bound to one is no spelling.
 - ``function_mode_stack``: the active TorchFunctionModes, innermost last.
+- ``queue_callback``: check mode reads its backward verdicts once, when the backward ends.
 - ``dispatch_mode`` / ``pytree`` / ``op_schema``: what certify's interval analysis reads of each
   aten call (the mode class, flattening of nested outputs, the schema's write annotations).
 - ``grad_scaler``: a GradScaler's scale and growth tracker as device tensors (its
@@ -662,6 +663,19 @@ def _weak_id_dict():
 
 def weak_id_dict():
     return _weak_id_dict()()
+
+
+@entry("queue_callback", "torch.autograd.Variable._execution_engine.queue_callback (a callback "
+       "at the end of the running backward, as DDP's)")
+def _queue_callback():
+    from torch.autograd import Variable
+
+    return Variable._execution_engine.queue_callback
+
+
+def at_backward_end(fn) -> None:
+    """Run ``fn`` once the backward that is running now has finished (called from a hook)."""
+    _queue_callback()(fn)
 
 
 @entry("op_overload", "torch._ops.OpOverload and OpOverloadPacket (aten ops a tracer runs "

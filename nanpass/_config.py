@@ -65,6 +65,9 @@ class Config:
     # run the rule table's bad operands through the guards first (_selfcheck): None, on a torch
     # outside the tested releases (or with NANPASS_SELFCHECK=1); True always; False never
     selfcheck: bool | None = None
+    # check mode: read the host at each op (a debugger's stop at the op itself) rather than
+    # once after the forward and once after the backward
+    stop_at_op: bool = False
 
     def excluded(self, module_path: str) -> bool:
         return any(module_path == p or module_path.startswith(p + ".") for p in self.exclude)
@@ -160,6 +163,7 @@ def make_config(
     watch: int | None = 100,
     module_paths: Iterable[str] | None = None,
     selfcheck: bool | None = None,
+    stop_at_op: bool = False,
 ) -> Config:
     if not isinstance(mode, str) or mode not in MODES:
         raise ConfigError(f"nanpass: unknown mode {mode!r}; valid modes: {_choices(MODES)}")
@@ -169,6 +173,7 @@ def make_config(
     count, quarantine = _flag("count", count), _flag("quarantine", quarantine)
     if selfcheck is not None:
         selfcheck = _flag("selfcheck", selfcheck)
+    stop_at_op = _flag("stop_at_op", stop_at_op)
     if watch is not None and (isinstance(watch, bool) or not isinstance(watch, int) or watch < 1):
         raise ConfigError(f"nanpass: watch is how many calls apart guards are sampled, a positive "
                           f"int (default 100), or None to turn the watch off; got {watch!r}")
@@ -239,4 +244,5 @@ def make_config(
         dynamic_dims=tuple(sorted(dynamic_dims_of(dynamic_dims).items())),
         inner=inner,
         selfcheck=selfcheck,
+        stop_at_op=stop_at_op,
     )

@@ -11,9 +11,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ._check import check_input, check_state
+from ._check import COLLECT, check_input, check_state, state_scalar, state_tensors
 from ._compat import require
 from ._config import Config, dynamic_dims_of, make_config
+from ._deferred import Forward
 from ._errors import ConfigError, NanpassTypeError
 from ._intercept import GuardMode, Sites, run_guarded
 from ._rewrite import Change, GraphRecord, summary
@@ -64,6 +65,10 @@ class Hardened(torch.nn.Module):
     def _forward_mode(self, *args, **kwargs):
         sites = self._nanpass_sites
         mode = self._nanpass_config.mode
+        watch = sites.checker
+        if (watch is not None and watch.deferred and watch.pending is None
+                and COLLECT.get() is None and not torch.compiler.is_compiling()):
+            return self._checked_once(args, kwargs)
         if mode in ("check", "warn"):
             sites.checker.found = False
             check_state(self._nanpass_model, mode == "warn")
@@ -86,6 +91,65 @@ class Hardened(torch.nn.Module):
             if torch.is_grad_enabled():
                 sites.checker.watch_output_grads(outs, "the model's output")
         return out
+
+    def _checked_once(self, args, kwargs):
+        """Check mode with its verdicts on the device (``_deferred.py``): one read after the
+        forward; only where it finds something to report, the forward runs again from the same
+        random state with the check at each op, which names it as ``stop_at_op=True`` does."""
+        sites, model = self._nanpass_sites, self._nanpass_model
+        watch = sites.checker
+        watch.found = False
+        rng = _rng_state()
+        step = Forward()
+        state = state_tensors(model)
+        if state:
+            k = step.add(state[0], state_scalar(state))
+            step.reasons.append(k)
+            for t in state:  # an operand that is a parameter or buffer: the state's slot
+                step.slots[t] = k
+        for t in leaves((args, kwargs)):
+            if _float_value(t):
+                step.nan_reasons.append(step.add(t))  # a NaN in the data is the data's
+        watch.pending = step
+        try:
+            out = run_guarded(sites, model, args, kwargs)
+        finally:
+            watch.pending = None
+        outs = leaves(out)
+        for o in outs:
+            if _float_value(o):
+                k = step.slots.get(o)
+                step.reasons.append(k if k is not None else step.add(o))
+        verdict = step.verdict()  # the one read
+        if verdict is not None:
+            self._check_again(args, kwargs, rng, verdict)
+        if torch.is_grad_enabled():
+            watch.watch_output_grads(outs, "the model's output")
+        return out
+
+    def _check_again(self, args, kwargs, rng, verdict: str) -> None:
+        """The forward again with the check at each op, from the first run's random state; the
+        buffers it writes (a batch norm's running statistics) are put back as the first run
+        left them, and the random state as it was after the first run."""
+        watch, model = self._nanpass_sites.checker, self._nanpass_model
+        after = _rng_state()
+        buffers = [(b, b.detach().clone()) for b in model.buffers() if b.is_floating_point()]
+        _set_rng_state(rng)
+        watch.deferred = False
+        try:
+            self._forward_mode(*args, **kwargs)
+        finally:
+            watch.deferred = True
+            _set_rng_state(after)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+        if not watch.found and verdict == "definite":
+            watch._emit("forward", "NaN/Inf", None,
+                        f"NaN or Inf in the forward of {type(model).__name__}, which its run again "
+                        f"with a check at each op did not reproduce (a random draw nanpass does not "
+                        f"replay, or state the forward changed); harden(model, mode="
+                        f"{self._nanpass_config.mode!r}, stop_at_op=True) checks each op as it runs")
 
     # -- module behaviour -------------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -248,6 +312,7 @@ def harden(
     quarantine: bool = False,
     watch: int | None = 100,
     selfcheck: bool | None = None,
+    stop_at_op: bool = False,
 ) -> Hardened:
     """Return ``model`` with every numerically unsafe op guarded, forward and backward.
 
@@ -276,6 +341,11 @@ def harden(
 
     ``quarantine=True`` replaces every batch row with a NaN/Inf in an input by zeros before the
     model and marks that row NaN in the outputs, for ``nanpass.finite_mean`` to drop.
+
+    Check mode keeps each op's verdict on the device and reads them once after the forward and
+    once after the backward (on a GPU a read waits for the queue); where one is to be reported
+    the forward runs again with a check at each op, which names it. ``stop_at_op=True`` reads
+    at each op instead and stops there (a debugger's view; one host read per call).
 
     ``selfcheck``: on a torch outside the tested releases the first use runs the rule table's
     own bad operands through the guards and refuses any guard that is not finite there (about a
@@ -315,6 +385,7 @@ def harden(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
         stable=stable, count=count, quarantine=quarantine, shape_checks=shape_checks, watch=watch,
         module_paths=[name for name, _ in model.named_modules()], selfcheck=selfcheck,
+        stop_at_op=stop_at_op,
     )
     refuse_broken_guards(config)
     shapes = None
@@ -324,6 +395,23 @@ def harden(
         raise ConfigError("nanpass: example_inputs and dynamic_dims are for shape_checks=True; "
                           "pass shape_checks=True, or leave them out")
     return Hardened(model, config, shapes)
+
+
+def _float_value(t) -> bool:
+    return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.is_floating_point() and t.numel() > 0
+
+
+def _rng_state() -> tuple:
+    """The random state a forward draws from (host-side: no read of the device)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _examples(example_inputs) -> list[tuple]:

@@ -110,7 +110,10 @@ class Sites:
         self._modules: dict[int, weakref.ref] = {}
         self._lock = threading.Lock()
         # check mode looks at every call, not only the table's (_watch.py)
-        self.checker = Watch(self, config.mode == "warn") if config.mode in ("check", "warn") else None
+        # harden's check mode reads its verdicts once a forward and once a backward; enable's
+        # (a program, no forward to run again) and stop_at_op=True read at each op
+        self.checker = Watch(self, config.mode == "warn", deferred=model is not None and not config.stop_at_op) \
+            if config.mode in ("check", "warn") else None
         self.customs: bool | None = None  # whether its graphs hold custom Function nodes
 
     def locate(self):

@@ -163,11 +163,25 @@ def wanted(option: bool | None) -> bool:
 
 
 def failures() -> dict[str, list[Failure]]:
-    """The process's verdicts, computed on first use."""
+    """The process's verdicts, computed on first use: in a thread of its own, where no mode
+    of the caller's (a nanpass check already on, a user's dispatch mode) sees its calls, and
+    with the random state put back as it was (the samples seed it)."""
     global _VERDICT
     with _LOCK:
         if _VERDICT is None:
-            _VERDICT = run_selfcheck()
+            got: list = []
+
+            def run():
+                with torch.random.fork_rng(devices=[]):
+                    got.append(run_selfcheck())
+
+            t = threading.Thread(target=run, name="nanpass-selfcheck")
+            t.start()
+            t.join()
+            if not got:  # (it raised: nothing to show but that)
+                raise SelfCheckError("nanpass: the self-check of the guards failed to run; "
+                                     "selfcheck=False skips it")
+            _VERDICT = got[0]
         return _VERDICT
 
 

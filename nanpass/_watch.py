@@ -27,6 +27,7 @@ import torch
 
 from ._check import COLLECT, PROGRESS, Event, Site, _report, _suspicious_row, describe
 from ._compat import custom_function, is_view, view_base, weak_id_dict
+from ._deferred import FINITE, NAN, Backward, Forward, Record, pole_flag, read, start_backward
 
 Tensor = torch.Tensor
 _HALF = (torch.float16, torch.bfloat16)
@@ -161,11 +162,17 @@ class Watch:
     """The every-op check of one hardened model (or of ``nanpass.enable``). ``sites`` gives
     the call site (``_where``) and module paths (``_path``), as for the guards."""
 
-    def __init__(self, sites, warn: bool):
+    def __init__(self, sites, warn: bool, deferred: bool = False):
         self.sites = sites
         self.warn = warn
         self.origins = weak_id_dict()  # tensor -> _Origin of the infinity it holds
         self.found = False  # something was reported since the last reset (warn, locate)
+        # verdicts kept on the device and read once after the forward and the backward
+        # (_deferred.py); False: read at each op (stop_at_op=True, nanpass.locate, enable)
+        self.deferred = deferred
+        self.pending: Forward | None = None  # the forward being collected
+        self.pending_backward: Backward | None = None
+        self._poles: dict = {}
 
     # -- forward ------------------------------------------------------------------------------
     def run(self, func, hit, args: tuple, kwargs: dict, inplace: bool = False, named=None):
@@ -173,7 +180,12 @@ class Watch:
         callable to name, where ``func`` wraps it)."""
         first = args[0] if args else None
         before = None
-        if inplace and isinstance(first, Tensor) and _plain(first):
+        step = self.pending
+        if step is not None and COLLECT.get() is not None:
+            step = None  # nanpass.locate: every event, at its op
+        if step is not None:  # the operands' values, looked up before an in-place op writes
+            operands = [step.slot_of(t) for t in _tensors((*args, *kwargs.values()), []) if _plain(t)]
+        elif inplace and isinstance(first, Tensor) and _plain(first):
             before = _finite(first)  # an in-place op overwrites its operand: look first
         out = func(*args, **kwargs)
         func = named or func
@@ -185,22 +197,45 @@ class Watch:
         elif isinstance(out, (tuple, list)):
             outs = [o for o in out if isinstance(o, Tensor)]
         else:
-            if isinstance(first, Tensor) and _nonfinite_number(args[1:]):  # x[mask] = -inf
+            if step is not None:
+                if isinstance(first, Tensor) and _plain(first):  # x[mask] = v writes into x
+                    step.records.append(Record([step.add(first)], operands,
+                                               _nonfinite_number(args[1:]), None, None, inplace=True))
+            elif isinstance(first, Tensor) and _nonfinite_number(args[1:]):  # x[mask] = -inf
                 self.origins[first] = _Origin(self._site(func, hit), "made on purpose (an infinite constant) by")
             return out
         made = None
         grad = torch.is_grad_enabled()
+        new = [] if step is not None else None
         for o in outs:
             if grad and o.grad_fn is not None and _KEY not in o.grad_fn.metadata:
                 made = made or self._made(func, hit)
                 self._hook(o, args, kwargs, made)
             if not _plain(o) or (o is not first and is_view(o) and _view_of_operand(o, args, kwargs)):
                 continue  # a view of an operand makes no new value
-            if not _finite(o):
+            if new is not None:
+                new.append(o)
+            elif not _finite(o):
                 self._nonfinite(func, hit, args, kwargs, o, before, made)
                 if made is not None:
                     made.nonfinite = True
+        if new:
+            self._record(step, hit, args, kwargs, new, operands, made, inplace and new[0] is first)
         return out
+
+    def _record(self, step: Forward, hit, args, kwargs, new, operands, made, inplace) -> None:
+        """The deferred check of one call: a scalar per new value, and what it was made from."""
+        outs = [step.add(o) for o in new]
+        tensors = _tensors((*args, *kwargs.values()), [])
+        constant = not tensors or _nonfinite_number((*args, *kwargs.values()))
+        pole = None
+        if hit is not None and hit[0].poles:
+            ops = (args[1], args[0], *args[2:]) if hit[2] else args
+            k = hit[0].pole_operand
+            x = ops[k] if k < len(ops) else None
+            if isinstance(x, Tensor) and _plain(x) and x.dim() <= new[0].dim():
+                pole = step.add(new[0], pole_flag(new[0], x, hit[0].poles, self._poles))
+        step.records.append(Record(outs, operands, constant, pole, made, inplace))
 
     def _made(self, func, hit) -> _Made:
         module, path, file, line = self.sites.locate()
@@ -369,6 +404,14 @@ class Watch:
                 if isinstance(g, Tensor) and g.grad_fn is not None and _KEY not in g.grad_fn.metadata:
                     self._hook(g, grad_outputs, {}, made)
         given = [g for g in grad_inputs if isinstance(g, Tensor) and _plain(g)]
+        if self.deferred and made.fn is None and COLLECT.get() is None:
+            # read once when the backward ends (a custom Function's backward is checked here,
+            # at its node, so that its own line can be named by running it again)
+            received = [g for g in grad_outputs if isinstance(g, Tensor) and _plain(g)]
+            bw = start_backward(self)
+            bw.records.append((made, name, bw.add_all(given), bw.add_all(received),
+                               [(tuple(g.shape), g.dtype) for g in given]))
+            return
         if all(_finite(g) for g in given):
             return
         received = [g for g in grad_outputs if isinstance(g, Tensor) and _plain(g)]
@@ -391,6 +434,40 @@ class Watch:
         self._emit("backward", "non-finite gradient", site,
                    f"{text}\n  autograd node {name}; the gradient it gave: {describe(bad)}",
                    created=not passed)
+
+    def backward_verdicts(self, bw: Backward) -> None:
+        """The backward's scalars, read once: the first node that made a finite gradient
+        non-finite is named, with its forward site (as ``backward`` names it at the node)."""
+        st = read(bw.scalars)
+        for made, name, given, received, shapes in bw.records:
+            if made is None:  # the gradient reaching an output, from the loss
+                if st[given] != FINITE:
+                    self._emit("backward", "non-finite gradient", None,
+                               f"non-finite gradient reaches {name} from the code after it "
+                               f"(the loss): {describe(shapes)}")
+                continue
+            if given is None or st[given] == FINITE:
+                continue
+            passed = received is not None and st[received] != FINITE
+            if (passed or made.nonfinite) and self.found:
+                return  # passed on, or explained by a NaN/Inf already named
+            site = made.site()
+            if passed:
+                text = (f"non-finite gradient reaches the backward of {site}\n  though every "
+                        f"gradient nanpass saw before it was finite: autograd's sum of the "
+                        f"gradients flowing into this value overflowed, or a backward nanpass "
+                        f"does not watch made it")
+            elif made.nonfinite:
+                text = (f"non-finite gradient from the backward of {site}\n  whose forward value "
+                        f"was already not finite")
+            else:
+                text = f"non-finite gradient created by the backward of {site}\n  from a finite gradient"
+            what = "NaN" if st[given] == NAN else "an infinity"
+            gave = ", ".join(f"shape {s} {str(d)[6:]}" for s, d in shapes)
+            self._emit("backward", "non-finite gradient", site,
+                       f"{text}\n  autograd node {name}; the gradient it gave: {gave}, with {what} "
+                       f"(read once, after the backward; stop_at_op=True stops at the node and "
+                       f"describes its values)", created=not passed)
 
     def _rerun_custom(self, made: _Made, node, grad_outputs) -> bool:
         """A custom Function's backward made it: run that backward again with every call
@@ -432,6 +509,10 @@ class _OutputGrad:
         if self.done:  # (not removed while autograd walks the tensor's hooks)
             return
         self.done = True
+        if _plain(grad) and self.watch.deferred and COLLECT.get() is None:
+            bw = start_backward(self.watch)
+            bw.records.append((None, self.what, bw.add_all([grad]), None, grad))
+            return
         if _plain(grad) and not _finite(grad):
             self.watch._emit("backward", "non-finite gradient", None,
                              f"non-finite gradient reaches {self.what} from the code after it "
