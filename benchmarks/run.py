@@ -194,6 +194,51 @@ def bench_check_mode(model, batch, repeats):
             "detect_anomaly_ratio": t.ratio("anomaly", "plain")}
 
 
+class NullMode(torch.overrides.TorchFunctionMode):
+    """A torch-function mode whose handler only calls the function: the floor of any design
+    that runs Python for each torch call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def bench_launch_bound(repeats):
+    """Tiny tensors, one thread: each call's fixed cost dominates, as a kernel launch does on a
+    GPU (GPT-2, 12 layers, 32 wide, 1 x 8 tokens, a train step)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = gpt2(12, 32)
+        batch = {"input_ids": torch.randint(0, 1024, (1, 8)), "labels": torch.randint(0, 1024, (1, 8))}
+        plain = train_step(model, batch)
+
+        def null():
+            with NullMode():
+                plain()
+
+        def anomaly():
+            with torch.autograd.detect_anomaly(check_nan=True):
+                plain()
+
+        fns = {"plain": plain, "null_mode": null,
+               "harden": train_step(nanpass.harden(model), batch),
+               "check": train_step(nanpass.harden(model, mode="check"), batch),
+               "check_stop_at_op": train_step(nanpass.harden(model, mode="check", stop_at_op=True), batch),
+               "detect_anomaly": anomaly}
+        t = interleaved(fns, repeats)
+        return {"plain_ms": t["plain"] * 1e3,
+                **{f"{k}_ratio": t.ratio(k, "plain") for k in fns if k != "plain"}}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def print_launch_bound(x: dict) -> None:
+    print(f"{'gpt2-12L-32w 1x8, 1 thread':26} {'launch-bound':16} {x['plain_ms']:10.2f} {'':11} "
+          f"{x['harden_ratio']:7.3f}  harden; null mode {x['null_mode_ratio']:.3f}; check "
+          f"{x['check_ratio']:.3f} (stop_at_op {x['check_stop_at_op_ratio']:.3f}); detect_anomaly "
+          f"{x['detect_anomaly_ratio']:.3f}")
+
+
 def bench_compiled(model, batch, repeats, shapes=False):
     torch._dynamo.reset()
     t0 = time.perf_counter()
@@ -335,10 +380,13 @@ def main():
     ap.add_argument("--plots", default="benchmarks/results", metavar="DIR",
                     help="where the figures go (default benchmarks/results; docs/img for the docs)")
     ap.add_argument("--spike-only", action="store_true", help="only the SpikeGuard rows")
+    ap.add_argument("--launch-bound-only", action="store_true", help="only the launch-bound row")
     args = ap.parse_args()
     repeats = 5 if args.quick else 15
     if args.spike_only:
         return print_spike(bench_spike(repeats))
+    if args.launch_bound_only:
+        return print_launch_bound(bench_launch_bound(3 * repeats))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {"machine": f"{platform.machine()} {platform.processor() or ''} "
                           f"{torch.get_num_threads()} threads, torch {torch.__version__}".strip()}
@@ -346,6 +394,7 @@ def main():
     results["eager"] = {name: bench_eager(name, m, b, repeats) for name, (m, b) in models.items()}
     results["check_mode"] = {name: bench_check_mode(m, b, repeats) for name, (m, b) in models.items()}
     results["autocast_bf16"] = {name: bench_autocast(*models[name], repeats) for name in ("mlp", "gpt2-12L")}
+    results["launch_bound"] = bench_launch_bound(3 * repeats)
     if not args.quick:
         results["compiled"] = {name: bench_compiled(m, b, 3 * repeats, shapes=name.startswith("transformer"))
                                for name, (m, b) in models.items()}
@@ -369,6 +418,7 @@ def main():
         print(f"{name:26} {'check mode':16} {x['plain_ms']:10.2f} {'':11} {x['check_ratio']:7.3f}"
               f"  detect_anomaly: {x['detect_anomaly_ratio']:.3f}; nanpass.enable(check), loss code "
               f"included: {x['enable_check_ratio']:.3f}")
+    print_launch_bound(results["launch_bound"])
     for name, x in results.get("compiled", {}).items():
         extra = f", with shape_checks {x['shape_checks_ratio']:.3f}" if "shape_checks_ratio" in x else ""
         print(f"{name:26} {'compiled step':16} {x['inductor_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"

@@ -19,37 +19,45 @@ site.
 
 from __future__ import annotations
 
+from weakref import ref
+
 import torch
 
-from ._compat import at_backward_end, is_view, view_base, weak_id_dict
+from ._compat import at_backward_end, is_view, view_base
 
 Tensor = torch.Tensor
 FINITE, INF, NAN = 0, 1, 2
 
 
-def _acc(t: Tensor) -> torch.dtype:
-    # float64 where the device has it: a sum of finite float32 values cannot overflow there
-    return torch.float32 if t.device.type == "mps" else torch.float64
-
-
 def scalar(t: Tensor) -> Tensor:
-    """One reduction: finite iff every element is (NaN iff a NaN, or both infinities)."""
-    return t.detach().sum(dtype=_acc(t))
+    """One reduction: finite iff every element is (NaN iff a NaN, or both infinities). Taken
+    in float64 (float32 on MPS, which has no float64): a sum of finite float32 values cannot
+    overflow there."""
+    if t.requires_grad:
+        t = t.detach()
+    return t.sum(dtype=torch.float32 if t.is_mps else torch.float64)
+
+
+def _state(v: float) -> int:
+    return FINITE if v - v == 0 else (NAN if v != v else INF)
 
 
 def read(scalars: list[Tensor]) -> list[int]:
     """Every scalar's state (FINITE, INF, NAN), in one copy to the host per device."""
     if not scalars:
         return []
+    try:  # the one read: a copy of every scalar
+        return [_state(v) for v in torch.stack(scalars).tolist()]
+    except RuntimeError:  # several devices (a model split over GPUs): one copy each
+        pass
     by_device: dict = {}
     for k, s in enumerate(scalars):
         by_device.setdefault(s.device, []).append(k)
     states = [FINITE] * len(scalars)
     for ks in by_device.values():
-        # the one read: a copy of every scalar (states of a stack, as float64)
         vals = torch.stack([scalars[k].to(torch.float64) for k in ks]).tolist()
         for k, v in zip(ks, vals, strict=True):
-            states[k] = FINITE if v - v == 0 else (NAN if v != v else INF)
+            states[k] = _state(v)
     return states
 
 
@@ -71,7 +79,9 @@ class Forward:
 
     def __init__(self):
         self.scalars: list[Tensor] = []
-        self.slots = weak_id_dict()  # tensor -> the slot of the value it holds now
+        # id(tensor) -> (a weak reference to it, the slot of the value it holds now); an entry
+        # counts only while its reference still gives that tensor (an id outlives its object)
+        self.slots: dict[int, tuple] = {}
         self.records: list[Record] = []
         self.reasons: list[int] = []  # slots reported if not finite (the state, the output)
         self.nan_reasons: list[int] = []  # slots reported if NaN (an input)
@@ -80,16 +90,24 @@ class Forward:
         self.scalars.append(scalar(t) if value is None else value)
         k = len(self.scalars) - 1
         if value is None:
-            self.slots[t] = k
+            self.slots[id(t)] = (ref(t), k)
         return k
+
+    def name(self, t: Tensor, k: int) -> None:
+        """``t`` holds the value of slot ``k`` (a parameter: the state's)."""
+        self.slots[id(t)] = (ref(t), k)
+
+    def get(self, t: Tensor) -> int | None:
+        e = self.slots.get(id(t))
+        return e[1] if e is not None and e[0]() is t else None
 
     def slot_of(self, t: Tensor) -> tuple[int, bool]:
         """The slot of the value ``t`` holds, and whether ``t`` is a view of it."""
-        k = self.slots.get(t)
+        k = self.get(t)
         if k is not None:
             return k, False
         if is_view(t):
-            b = self.slots.get(view_base(t))
+            b = self.get(view_base(t))
             if b is not None:
                 return b, True
         return self.add(t), False  # a tensor made outside the watch: its own scalar

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ._check import COLLECT, check_input, check_state, state_scalar, state_tensors
-from ._compat import require
+from ._compat import functorch_active, require
 from ._config import Config, dynamic_dims_of, make_config
 from ._deferred import Forward
 from ._errors import ConfigError, NanpassTypeError
@@ -66,8 +66,8 @@ class Hardened(torch.nn.Module):
         sites = self._nanpass_sites
         mode = self._nanpass_config.mode
         watch = sites.checker
-        if (watch is not None and watch.deferred and watch.pending is None
-                and COLLECT.get() is None and not torch.compiler.is_compiling()):
+        if (watch is not None and watch.deferred and watch.pending is None and COLLECT.get() is None
+                and not torch.compiler.is_compiling() and not functorch_active()):
             return self._checked_once(args, kwargs)
         if mode in ("check", "warn"):
             sites.checker.found = False
@@ -106,7 +106,7 @@ class Hardened(torch.nn.Module):
             k = step.add(state[0], state_scalar(state))
             step.reasons.append(k)
             for t in state:  # an operand that is a parameter or buffer: the state's slot
-                step.slots[t] = k
+                step.name(t, k)
         for t in leaves((args, kwargs)):
             if _float_value(t):
                 step.nan_reasons.append(step.add(t))  # a NaN in the data is the data's
@@ -118,7 +118,7 @@ class Hardened(torch.nn.Module):
         outs = leaves(out)
         for o in outs:
             if _float_value(o):
-                k = step.slots.get(o)
+                k = step.get(o)
                 step.reasons.append(k if k is not None else step.add(o))
         verdict = step.verdict()  # the one read
         if verdict is not None:
@@ -133,7 +133,17 @@ class Hardened(torch.nn.Module):
         left them, and the random state as it was after the first run."""
         watch, model = self._nanpass_sites.checker, self._nanpass_model
         after = _rng_state()
-        buffers = [(b, b.detach().clone()) for b in model.buffers() if b.is_floating_point()]
+        # the second run writes into copies of the buffers (a batch norm's running statistics):
+        # the first run's graph saved the buffers themselves, at their version
+        held, copies = [], {}
+        for mod in model.modules():
+            for name, b in mod.named_buffers(recurse=False):
+                if b is not None and b.is_floating_point():
+                    held.append((mod, name, b))
+                    copy_ = copies.get(id(b))  # (a buffer two modules share: one copy)
+                    if copy_ is None:
+                        copy_ = copies[id(b)] = (b, b.detach().clone())
+                    setattr(mod, name, copy_[1])
         _set_rng_state(rng)
         watch.deferred = False
         try:
@@ -141,9 +151,8 @@ class Hardened(torch.nn.Module):
         finally:
             watch.deferred = True
             _set_rng_state(after)
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+            for mod, name, b in held:
+                setattr(mod, name, b)
         if not watch.found and verdict == "definite":
             watch._emit("forward", "NaN/Inf", None,
                         f"NaN or Inf in the forward of {type(model).__name__}, which its run again "

@@ -79,3 +79,82 @@ def test_stop_at_op_reads_at_every_op_as_a_debugger_wants():
     """The explicit option keeps the check at the op itself (one read a call)."""
     model, batch = _mlp()
     assert _reads(nanpass.harden(model, mode="check", stop_at_op=True, watch=None), batch) > 10
+
+
+class _MaskedAttention(nn.Module):
+    """An infinity made on purpose every step: a causal mask of -inf, then a softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x):
+        s = self.q(x) @ x.transpose(-1, -2)
+        mask = torch.triu(torch.full((x.shape[1], x.shape[1]), float("-inf")), 1)
+        return torch.softmax(s + mask, -1) @ x
+
+
+def test_an_infinity_made_on_purpose_costs_no_second_run():
+    """The verdict is classified on the host as the per-op check would: a -inf mask that a
+    softmax lets die is quiet, so the step reads once and never runs the forward again."""
+    torch.manual_seed(0)
+    model, x = _MaskedAttention(), torch.randn(2, 5, 8)
+    safe = nanpass.harden(model, mode="check", watch=None)
+    runs = []
+    model.register_forward_hook(lambda *a: runs.append(1))
+    batch = {"x": x}
+    assert _reads(safe, batch) <= 2
+    runs.clear()
+    safe(x)
+    assert len(runs) == 1
+
+
+class _Bad(nn.Module):
+    def __init__(self, where):
+        super().__init__()
+        self.fc, self.bn, self.where = nn.Linear(4, 4), nn.BatchNorm1d(4), where
+
+    def forward(self, x):
+        h = self.bn(self.fc(x))
+        if self.where == "forward-nan":
+            return torch.log(h - h.max() - 1.0)  # every operand finite: NaN made here
+        if self.where == "forward-overflow":
+            return torch.exp(h * 1e4)  # an overflow from finite operands
+        if self.where == "mask-then-nan":
+            m = h.masked_fill(torch.ones_like(h, dtype=torch.bool), float("-inf"))  # on purpose
+            return m - m  # ... until -inf - -inf
+        return torch.sqrt(h - h)  # backward: d sqrt at 0 is infinite, from a finite gradient
+
+
+@pytest.mark.parametrize("where", ["forward-nan", "forward-overflow", "mask-then-nan", "backward"])
+@pytest.mark.parametrize("mode", ["check", "warn"])
+def test_the_finding_is_the_one_the_check_at_each_op_makes(where, mode):
+    """One read a step, and the same finding as ``stop_at_op=True``: the op, its module, the
+    user's line, and (forward) its operands."""
+
+    def finding(stop_at_op):
+        torch.manual_seed(0)
+        m = _Bad(where)
+        safe = nanpass.harden(m, mode=mode, stop_at_op=stop_at_op, watch=None)
+        x = torch.randn(6, 4)
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                safe(x).sum().backward()
+            except nanpass.NonFiniteError as e:
+                return str(e), m.bn.running_mean.clone()
+        found = [str(w.message) for w in caught if issubclass(w.category, nanpass.NonFiniteWarning)]
+        return found[0] if found else None, m.bn.running_mean.clone()
+
+    got, stats = finding(False)
+    want, want_stats = finding(True)
+    assert got is not None and want is not None
+    if where == "backward":  # named at the same node and line; the values are read once
+        assert got.split("\n")[:2] == want.split("\n")[:2]
+        assert "autograd node SqrtBackward0; the gradient it gave: shape (6, 4) float32" in got
+    else:
+        assert got == want
+    # the second run (forward findings) leaves the running statistics as one forward does
+    assert torch.equal(stats, want_stats)
