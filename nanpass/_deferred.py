@@ -29,13 +29,21 @@ Tensor = torch.Tensor
 FINITE, INF, NAN = 0, 1, 2
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def scalar(t: Tensor) -> Tensor:
-    """One reduction: finite iff every element is (NaN iff a NaN, or both infinities). Taken
-    in float64 (float32 on MPS, which has no float64): a sum of finite float32 values cannot
-    overflow there."""
+    """One reduction, finite exactly when every element is (NaN where one is NaN, or where
+    both infinities are): the sum in a wider float (float32 for a half, float64 for float32:
+    a mask of ``finfo.min`` everywhere does not overflow there), and for float64 (or on MPS,
+    which has no float64) the largest magnitude, which no finite tensor can overflow."""
     if t.requires_grad:
         t = t.detach()
-    return t.sum(dtype=torch.float32 if t.is_mps else torch.float64)
+    if t.dtype in _HALF:
+        return t.sum(dtype=torch.float32)
+    if t.dtype == torch.float32 and not t.is_mps:
+        return t.sum(dtype=torch.float64)
+    return torch.linalg.vector_norm(t, float("inf"))
 
 
 def _state(v: float) -> int:
@@ -144,8 +152,17 @@ class Forward:
                     continue  # a NaN or an infinity passed on
                 if r.constant or (r.pole is not None and st[r.pole] != FINITE):
                     continue  # an infinity made on purpose
+                if self._sum_overflowed(r):
+                    break  # finite values whose sum passed the largest float
                 return "definite"  # an overflow from finite operands
         return "maybe" if maybe else None
+
+    def _sum_overflowed(self, r: Record) -> bool:
+        """Every value of the record's results still held is finite: only their sum was not
+        (a tensor already freed cannot be looked at again: the second run decides)."""
+        live = [e[0]() for e in self.slots.values() if e[1] in r.outs]
+        live = [t for t in live if t is not None]
+        return len(live) == len(r.outs) and all(bool(torch.isfinite(t).all()) for t in live)
 
 
 def pole_flag(o: Tensor, x: Tensor, poles: tuple, cache: dict) -> Tensor:
@@ -155,26 +172,34 @@ def pole_flag(o: Tensor, x: Tensor, poles: tuple, cache: dict) -> Tensor:
     if at is None:  # made once: a host-to-device copy per call would wait for the queue
         at = cache[key] = torch.tensor(poles, dtype=x.dtype, device=x.device)
     hit = (torch.isinf(o.detach()) & torch.isin(x.detach(), at)).any()
-    return torch.where(hit, float("inf"), 0.0).to(torch.float64)
+    return torch.where(hit, float("inf"), 0.0)
 
 
 class Backward:
-    """The scalars of one backward: per hooked node, what it gave and what it received."""
+    """The scalars of one backward: per hooked node, the slots of the gradients it gave and of
+    those it received. A gradient a node receives is most often the very tensor the node
+    before it gave (autograd sums only where several contributions meet): its slot is found
+    by identity, and only a gradient not seen yet costs a reduction."""
 
-    __slots__ = ("scalars", "records")
+    __slots__ = ("scalars", "records", "slots")
 
     def __init__(self):
         self.scalars: list[Tensor] = []
         self.records: list[tuple] = []
+        self.slots: dict[int, tuple] = {}  # id(gradient) -> (a weak reference, its slot)
 
-    def add_all(self, grads: list[Tensor]) -> int | None:
-        if not grads:
-            return None
-        s = scalar(grads[0])
-        for g in grads[1:]:
-            s = s + scalar(g).to(s.device)
-        self.scalars.append(s)
-        return len(self.scalars) - 1
+    def slots_of(self, grads: list[Tensor]) -> list[int]:
+        out = []
+        for g in grads:
+            e = self.slots.get(id(g))
+            if e is not None and e[0]() is g:
+                out.append(e[1])
+                continue
+            self.scalars.append(scalar(g))
+            k = len(self.scalars) - 1
+            self.slots[id(g)] = (ref(g), k)
+            out.append(k)
+        return out
 
 
 def start_backward(watch) -> Backward:

@@ -409,7 +409,7 @@ class Watch:
             # at its node, so that its own line can be named by running it again)
             received = [g for g in grad_outputs if isinstance(g, Tensor) and _plain(g)]
             bw = start_backward(self)
-            bw.records.append((made, name, bw.add_all(given), bw.add_all(received),
+            bw.records.append((made, name, bw.slots_of(given), bw.slots_of(received),
                                [(tuple(g.shape), g.dtype) for g in given]))
             return
         if all(_finite(g) for g in given):
@@ -440,15 +440,16 @@ class Watch:
         non-finite is named, with its forward site (as ``backward`` names it at the node)."""
         st = read(bw.scalars)
         for made, name, given, received, shapes in bw.records:
+            bad = [st[k] for k in given if st[k] != FINITE]
             if made is None:  # the gradient reaching an output, from the loss
-                if st[given] != FINITE:
+                if bad:
                     self._emit("backward", "non-finite gradient", None,
                                f"non-finite gradient reaches {name} from the code after it "
                                f"(the loss): {describe(shapes)}")
                 continue
-            if given is None or st[given] == FINITE:
+            if not bad:
                 continue
-            passed = received is not None and st[received] != FINITE
+            passed = any(st[k] != FINITE for k in received)
             if (passed or made.nonfinite) and self.found:
                 return  # passed on, or explained by a NaN/Inf already named
             site = made.site()
@@ -462,7 +463,7 @@ class Watch:
                         f"was already not finite")
             else:
                 text = f"non-finite gradient created by the backward of {site}\n  from a finite gradient"
-            what = "NaN" if st[given] == NAN else "an infinity"
+            what = "NaN" if NAN in bad else "an infinity"
             gave = ", ".join(f"shape {s} {str(d)[6:]}" for s, d in shapes)
             self._emit("backward", "non-finite gradient", site,
                        f"{text}\n  autograd node {name}; the gradient it gave: {gave}, with {what} "
@@ -511,7 +512,7 @@ class _OutputGrad:
         self.done = True
         if _plain(grad) and self.watch.deferred and COLLECT.get() is None:
             bw = start_backward(self.watch)
-            bw.records.append((None, self.what, bw.add_all([grad]), None, grad))
+            bw.records.append((None, self.what, bw.slots_of([grad]), [], grad))
             return
         if _plain(grad) and not _finite(grad):
             self.watch._emit("backward", "non-finite gradient", None,

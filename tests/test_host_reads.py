@@ -66,7 +66,7 @@ def _reads(model, batch) -> int:
     return r.n
 
 
-@pytest.mark.parametrize("mode", ["check", "warn"])
+@pytest.mark.parametrize("mode", ["check", "warn", "guard+check", "guard"])
 @pytest.mark.parametrize("name", ["mlp", "encoder", "gpt2"])
 def test_check_mode_reads_the_host_at_most_twice_a_step(name, mode):
     model, batch = _model(name)
