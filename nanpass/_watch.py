@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import math
+import threading
 import weakref
 from collections.abc import Mapping
 
@@ -170,9 +171,17 @@ class Watch:
         # verdicts kept on the device and read once after the forward and the backward
         # (_deferred.py); False: read at each op (stop_at_op=True, nanpass.locate, enable)
         self.deferred = deferred
-        self.pending: Forward | None = None  # the forward being collected
+        self._local = threading.local()  # the forward being collected, per thread
         self.pending_backward: Backward | None = None
         self._poles: dict = {}
+
+    @property
+    def pending(self) -> Forward | None:
+        return getattr(self._local, "forward", None)
+
+    @pending.setter
+    def pending(self, step: Forward | None) -> None:
+        self._local.forward = step
 
     # -- forward ------------------------------------------------------------------------------
     def run(self, func, hit, args: tuple, kwargs: dict, inplace: bool = False, named=None):

@@ -158,3 +158,33 @@ def test_the_finding_is_the_one_the_check_at_each_op_makes(where, mode):
         assert got == want
     # the second run (forward findings) leaves the running statistics as one forward does
     assert torch.equal(stats, want_stats)
+
+
+def test_threads_keep_their_own_verdicts():
+    """Two threads through one hardened model: each forward's verdicts are its own thread's,
+    so the thread whose input makes a NaN gets the error and the other none."""
+    import threading
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4))
+    safe = nanpass.harden(m, mode="check", watch=None)
+    errors: dict = {}
+
+    def work(name, x):
+        try:
+            for _ in range(20):
+                torch.log(safe(x) - safe(x).max() - 1.0) if name == "bad" else safe(x)
+                if name == "bad":
+                    with torch.no_grad():
+                        safe(x.log())  # the log is outside: a NaN input, named as the data's
+        except nanpass.NonFiniteError as e:
+            errors[name] = str(e)
+
+    good, bad = torch.randn(3, 4), -torch.ones(3, 4)
+    threads = [threading.Thread(target=work, args=(n, x)) for n, x in (("good", good), ("bad", bad))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "good" not in errors
+    assert errors["bad"].startswith("nanpass: NaN in the input")
