@@ -450,3 +450,28 @@ def test_a_guard_that_keeps_firing_is_named_once():
     assert _calls(nanpass.harden(Tempered(1.0), watch=5), 40) == []  # a healthy model: nothing
     with pytest.raises(nanpass.ConfigError, match="^nanpass: watch is how many calls apart"):
         nanpass.harden(Tempered(1.0), watch=0)
+
+
+class _HalfMasked(torch.nn.Module):
+    """A float16 model whose causal mask buffer holds -10000 (diffusers' PriorTransformer): its
+    L2 norm is past 65504, every value finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)  # 120 entries of -10000: an L2 norm of 109545
+        self.register_buffer("mask", torch.triu(torch.full((16, 16), -10000.0), 1))
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x) + self.mask, -1)
+
+
+@pytest.mark.parametrize("stop_at_op", [False, True])
+def test_a_finite_half_state_with_a_large_norm_is_not_reported(stop_at_op):
+    """Issue 39, item 4: the fused state check took an L2 norm in float16, which overflowed on a
+    finite buffer, and then crashed looking for the culprit. The largest magnitude is exact."""
+    torch.manual_seed(0)
+    m = _HalfMasked().half()
+    safe = nanpass.harden(m, mode="check", stop_at_op=stop_at_op)
+    out = safe(torch.randn(2, 16, 16, dtype=torch.float16))
+    out.float().sum().backward()
+    assert torch.isfinite(out).all()
