@@ -125,6 +125,9 @@ class Forward:
         the state or the output is not finite). "maybe": a view of a non-finite value was
         read, whose own elements only the per-op check can tell."""
         st = read(self.scalars)
+        for r in self.records:  # a backward whose forward value was not finite says so
+            if r.made is not None and any(st[k] != FINITE for k in r.outs):
+                r.made.nonfinite = True
         if any(st[k] != FINITE for k in self.reasons) or any(st[k] == NAN for k in self.nan_reasons):
             return "definite"
         maybe = False
@@ -132,8 +135,6 @@ class Forward:
             bad = [st[k] for k in r.outs if st[k] != FINITE]
             if not bad:
                 continue
-            if r.made is not None:
-                r.made.nonfinite = True
             ops = [st[k] for k, _ in r.operands]
             if any(view and st[k] != FINITE for k, view in r.operands):
                 maybe = True
