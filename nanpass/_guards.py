@@ -215,6 +215,8 @@ def _each(out, f):
     items = [f(o) for o in out]
     if type(out) is tuple:
         return tuple(items)
+    if type(out).__module__ == "torch.return_types":  # a structseq: one sequence argument
+        return type(out)(items)  # (asked first: dynamo 2.11 gives a structseq ``_fields``)
     return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
 
 

@@ -16,12 +16,18 @@ from tests.helpers import all_finite, flat_tensors, forward_backward
 FAST_PATHS = ("mha_fast_path", "encoder_layer_fast_path")
 
 
+# the spellings' callables, read by name at call time as a user's code reads ``torch.log``:
+# dynamo 2.11 cannot call a Tensor method (``torch.Tensor.bmm``) read from a module attribute
+_CALLABLES: dict = {}
+
+
 class Call(nn.Module):
     """A model that calls one op through exactly one spelling."""
 
     def __init__(self, rule, sp, kwargs):
         super().__init__()
-        self.kind, self.target, self.call, self.inplace = sp.kind, sp.target, sp.call, sp.inplace
+        self.kind, self.target, self.name, self.inplace = sp.kind, sp.target, sp.name, sp.inplace
+        _CALLABLES[sp.name] = sp.call
         self.kw = kwargs
         if sp.kind == "module":
             self.mod = sp.target(*rule.sample.ctor[sp.name])
@@ -34,7 +40,7 @@ class Call(nn.Module):
         if self.kind == "method":
             out = getattr(args[0], self.target)(*args[1:], **self.kw)
         else:
-            out = self.call(*args, **self.kw)
+            out = _CALLABLES[self.name](*args, **self.kw)
         out = args[0] if self.inplace else out
         if isinstance(out, tuple) and any(isinstance(o, torch.Tensor) and o.is_complex() for o in out):
             out = out[0]  # eigenvalues: eigenvectors are defined up to a phase (torch raises on a loss of them)
