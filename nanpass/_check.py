@@ -266,7 +266,8 @@ def state_scalar(tensors: list[Tensor]) -> Tensor:
         groups.setdefault((t.device, t.dtype), []).append(t)
     norms = [n for ts in groups.values() for n in foreach_norm(ts, float("inf"))]
     first = norms[0].device
-    return torch.stack([n.to(first, torch.float64) for n in norms]).sum()
+    wide = torch.float32 if first.type == "mps" else torch.float64  # (MPS has no float64)
+    return torch.stack([n.to(first, wide) for n in norms]).sum()
 
 
 def nonfinite_flag(*tensors):

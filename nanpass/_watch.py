@@ -193,7 +193,8 @@ class Watch:
         if step is not None and COLLECT.get() is not None:
             step = None  # nanpass.locate: every event, at its op
         if step is not None:  # the operands' values, looked up before an in-place op writes
-            operands = [step.slot_of(t) for t in _tensors((*args, *kwargs.values()), []) if _plain(t)]
+            tensors = _tensors((*args, *kwargs.values()), [])
+            operands = [step.slot_of(t) for t in tensors if _plain(t)]
         elif inplace and isinstance(first, Tensor) and _plain(first):
             before = _finite(first)  # an in-place op overwrites its operand: look first
         out = func(*args, **kwargs)
@@ -229,13 +230,12 @@ class Watch:
                 if made is not None:
                     made.nonfinite = True
         if new:
-            self._record(step, hit, args, kwargs, new, operands, made, inplace and new[0] is first)
+            self._record(step, hit, args, kwargs, new, tensors, operands, made, inplace and new[0] is first)
         return out
 
-    def _record(self, step: Forward, hit, args, kwargs, new, operands, made, inplace) -> None:
+    def _record(self, step: Forward, hit, args, kwargs, new, tensors, operands, made, inplace) -> None:
         """The deferred check of one call: a scalar per new value, and what it was made from."""
         outs = [step.add(o) for o in new]
-        tensors = _tensors((*args, *kwargs.values()), [])
         constant = not tensors or _nonfinite_number((*args, *kwargs.values()))
         pole = None
         if hit is not None and hit[0].poles:
@@ -429,8 +429,11 @@ class Watch:
             return  # passed on, or explained by a NaN/Inf already named
         if made.fn is not None and node is not None and not passed and self._rerun_custom(made, node, grad_outputs):
             return
-        site = made.site()
         bad = next(g for g in given if not _finite(g))
+        self._emit_backward(made, name, passed, describe(bad))
+
+    def _emit_backward(self, made: _Made, name: str, passed: bool, gave: str) -> None:
+        site = made.site()
         if passed:
             text = (f"non-finite gradient reaches the backward of {site}\n  though every gradient "
                     f"nanpass saw before it was finite: autograd's sum of the gradients flowing "
@@ -441,8 +444,12 @@ class Watch:
         else:
             text = f"non-finite gradient created by the backward of {site}\n  from a finite gradient"
         self._emit("backward", "non-finite gradient", site,
-                   f"{text}\n  autograd node {name}; the gradient it gave: {describe(bad)}",
-                   created=not passed)
+                   f"{text}\n  autograd node {name}; the gradient it gave: {gave}", created=not passed)
+
+    def output_grad(self, what: str, grad: Tensor) -> None:
+        self._emit("backward", "non-finite gradient", None,
+                   f"non-finite gradient reaches {what} from the code after it (the loss): "
+                   f"{describe(grad)}")
 
     def backward_verdicts(self, bw: Backward) -> None:
         """The backward's scalars, read once: the first node that made a finite gradient
@@ -452,32 +459,17 @@ class Watch:
             bad = [st[k] for k in given if st[k] != FINITE]
             if made is None:  # the gradient reaching an output, from the loss
                 if bad:
-                    self._emit("backward", "non-finite gradient", None,
-                               f"non-finite gradient reaches {name} from the code after it "
-                               f"(the loss): {describe(shapes)}")
+                    self.output_grad(name, shapes)
                 continue
             if not bad:
                 continue
             passed = any(st[k] != FINITE for k in received)
             if (passed or made.nonfinite) and self.found:
                 return  # passed on, or explained by a NaN/Inf already named
-            site = made.site()
-            if passed:
-                text = (f"non-finite gradient reaches the backward of {site}\n  though every "
-                        f"gradient nanpass saw before it was finite: autograd's sum of the "
-                        f"gradients flowing into this value overflowed, or a backward nanpass "
-                        f"does not watch made it")
-            elif made.nonfinite:
-                text = (f"non-finite gradient from the backward of {site}\n  whose forward value "
-                        f"was already not finite")
-            else:
-                text = f"non-finite gradient created by the backward of {site}\n  from a finite gradient"
             what = "NaN" if NAN in bad else "an infinity"
             gave = ", ".join(f"shape {s} {str(d)[6:]}" for s, d in shapes)
-            self._emit("backward", "non-finite gradient", site,
-                       f"{text}\n  autograd node {name}; the gradient it gave: {gave}, with {what} "
-                       f"(read once, after the backward; stop_at_op=True stops at the node and "
-                       f"describes its values)", created=not passed)
+            self._emit_backward(made, name, passed, f"{gave}, with {what} (read once, after the "
+                                f"backward; stop_at_op=True stops at the node and describes its values)")
 
     def _rerun_custom(self, made: _Made, node, grad_outputs) -> bool:
         """A custom Function's backward made it: run that backward again with every call
@@ -524,9 +516,7 @@ class _OutputGrad:
             bw.records.append((None, self.what, bw.slots_of([grad]), [], grad))
             return
         if _plain(grad) and not _finite(grad):
-            self.watch._emit("backward", "non-finite gradient", None,
-                             f"non-finite gradient reaches {self.what} from the code after it "
-                             f"(the loss): {describe(grad)}")
+            self.watch.output_grad(self.what, grad)
 
 
 class GraphSites:
