@@ -68,6 +68,9 @@ class Config:
     # check mode: read the host at each op (a debugger's stop at the op itself) rather than
     # once after the forward and once after the backward
     stop_at_op: bool = False
+    # harden's guard mode: swap the table's spellings where they are looked up, so that other
+    # calls never enter Python (_fastpath); False: a TorchFunctionMode sees every call
+    fast: bool = True
 
     def excluded(self, module_path: str) -> bool:
         return any(module_path == p or module_path.startswith(p + ".") for p in self.exclude)
@@ -164,6 +167,7 @@ def make_config(
     module_paths: Iterable[str] | None = None,
     selfcheck: bool | None = None,
     stop_at_op: bool = False,
+    fast: bool = True,
 ) -> Config:
     if not isinstance(mode, str) or mode not in MODES:
         raise ConfigError(f"nanpass: unknown mode {mode!r}; valid modes: {_choices(MODES)}")
@@ -173,7 +177,7 @@ def make_config(
     count, quarantine = _flag("count", count), _flag("quarantine", quarantine)
     if selfcheck is not None:
         selfcheck = _flag("selfcheck", selfcheck)
-    stop_at_op = _flag("stop_at_op", stop_at_op)
+    stop_at_op, fast = _flag("stop_at_op", stop_at_op), _flag("fast", fast)
     if watch is not None and (isinstance(watch, bool) or not isinstance(watch, int) or watch < 1):
         raise ConfigError(f"nanpass: watch is how many calls apart guards are sampled, a positive "
                           f"int (default 100), or None to turn the watch off; got {watch!r}")
@@ -245,4 +249,5 @@ def make_config(
         inner=inner,
         selfcheck=selfcheck,
         stop_at_op=stop_at_op,
+        fast=fast,
     )

@@ -243,6 +243,17 @@ class Hardened(torch.nn.Module):
         return "intercept"
 
     @property
+    def interception(self) -> str:
+        """How the last eager call found the unsafe calls: "swap" (the table's spellings swapped
+        where they are looked up; every other call runs untouched) or "mode: <why>" (a
+        TorchFunctionMode sees every call: check mode, ``fast=False``, or a spelling the model
+        reaches through something the swap cannot change, named)."""
+        sites = self._nanpass_sites
+        if sites.checker is not None:
+            return f"mode: check mode looks at every call ({self._nanpass_config.mode})"
+        return "swap" if sites.fast is None else f"mode: {sites.fast}"
+
+    @property
     def graphs(self) -> list[GraphRecord]:
         """One record of every call site seen so far (empty before the first call)."""
         sites = self._nanpass_sites
@@ -322,6 +333,7 @@ def harden(
     watch: int | None = 100,
     selfcheck: bool | None = None,
     stop_at_op: bool = False,
+    fast: bool = True,
 ) -> Hardened:
     """Return ``model`` with every numerically unsafe op guarded, forward and backward.
 
@@ -355,6 +367,11 @@ def harden(
     once after the backward (on a GPU a read waits for the queue); where one is to be reported
     the forward runs again with a check at each op, which names it. ``stop_at_op=True`` reads
     at each op instead and stops there (a debugger's view; one host read per call).
+
+    Guard mode swaps the table's spellings where they are looked up (``torch.log``,
+    ``Tensor.__truediv__``, the names your code bound) while the call runs, so every other call
+    costs nothing; ``fast=False`` runs it under a ``TorchFunctionMode`` that sees every call
+    (``safe.interception`` says which runs, and why).
 
     ``selfcheck``: on a torch outside the tested releases the first use runs the rule table's
     own bad operands through the guards and refuses any guard that is not finite there (about a
@@ -394,7 +411,7 @@ def harden(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
         stable=stable, count=count, quarantine=quarantine, shape_checks=shape_checks, watch=watch,
         module_paths=[name for name, _ in model.named_modules()], selfcheck=selfcheck,
-        stop_at_op=stop_at_op,
+        stop_at_op=stop_at_op, fast=fast,
     )
     refuse_broken_guards(config)
     shapes = None

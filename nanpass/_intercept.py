@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _compat, _guards
+from . import _compat, _fastpath, _guards
 from ._check import Site
 from ._compat import ATEN_OPS
 from ._config import Config
@@ -115,6 +115,36 @@ class Sites:
         self.checker = Watch(self, config.mode == "warn", deferred=model is not None and not config.stop_at_op) \
             if config.mode in ("check", "warn") else None
         self.customs: bool | None = None  # whether its graphs hold custom Function nodes
+        # guard mode's fast path (_fastpath): the names the model's code binds to the table's
+        # spellings, looked at on the first call and each sampled one (a module swapped in);
+        # `fast` says why the mode runs instead, where it does
+        self.fast: str | None = None if config.fast else "fast=False"
+        self._bindings: tuple | None = None
+
+    def missed(self, sp: Spelling) -> None:
+        """A call the fast path's swap did not reach: the mode from now on, and said where
+        calls before this one may have run unguarded."""
+        if self.fast is not None:
+            return
+        module, frame = self._where(3)
+        at = _source(frame)[0] or "an unknown line"
+        self.fast = f"{sp.name} at {at} is reached through a name the swap cannot change"
+        if self.calls > 1:
+            warnings.warn(
+                f"nanpass: {self.fast}: the calls before this one may have run it unguarded; "
+                f"this model runs under a TorchFunctionMode from now on (harden(..., fast=False) "
+                f"starts so)", GuardWarning, stacklevel=4)
+
+    def fast_bindings(self, rescan: bool) -> tuple | None:
+        """The bindings to swap for a call on the fast path, or None: run under the mode."""
+        if not self.config.fast or self.model is None or _compat.functorch_active():
+            return None
+        if self.fast is not None:
+            return None
+        if self._bindings is None or rescan:
+            bindings, why = _fastpath.scan(self.model)
+            self.fast, self._bindings = why, (bindings if why is None else ())
+        return self._bindings if self.fast is None else None
 
     def locate(self):
         """(module, its path, file, line) of the user's frame making the current call."""
@@ -375,9 +405,12 @@ def _hit(func) -> tuple[Rule, Spelling, bool] | None:
     if torch.compiler.is_compiling():
         return _HITS[_hit_index(func)]
     try:
-        return CALLS.get(func)
+        hit = CALLS.get(func)
     except TypeError:  # an unhashable callable
         return None
+    # a mode running while the fast path has the table's names swapped (a composite's guard,
+    # another thread's check mode) is handed the stand-in torch looked up by name
+    return hit if hit is not None or not _fastpath.STAND_IN_HITS else _fastpath.STAND_IN_HITS.get(func)
 
 
 # Under dynamo the lookup runs as Python, not traced: a traced lookup in CALLS guards the
@@ -423,6 +456,7 @@ class CallsGuarded(TorchFunctionMode):
 
 _DEFAULTS = Config()
 _guards.guard_calls_with(CallsGuarded)
+_fastpath._ADMIT.append(_in_dtypes)
 
 
 class GuardMode(TorchFunctionMode):
@@ -452,6 +486,33 @@ class GuardMode(TorchFunctionMode):
 
 
 _compat.graphs_run_outside(GuardMode)
+
+
+class Survey(TorchFunctionMode):
+    """Over the fast path's first call and each sampled one: a call the table names that
+    reaches torch outside a stand-in (through a name the swap does not reach: a bound method
+    kept from before, a spelling held where the scan does not look) is guarded here, and the
+    model runs under the mode from then on (``Sites.fast`` names the call)."""
+
+    def __init__(self, sites: Sites):
+        super().__init__()
+        self.sites = sites
+
+    @_compat.eager_handler
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _fastpath.active():  # outside every stand-in and guard
+            hit = _hit(func)
+            if hit is not None and (not hit[0].only_dtypes or hit[2] or _in_dtypes(hit[0], args)):
+                self.sites.missed(hit[1])
+                prev = _fastpath.paused()
+                try:
+                    return self.sites.call(hit, args, kwargs)
+                finally:
+                    _fastpath.resume(prev)
+        if isinstance(func, types.FunctionType):
+            return _as_called(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 # calls check mode runs as called and does not look at: attribute reads and writes (``x.grad``
@@ -498,8 +559,20 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
     sample = bool(sites.watch) and sites.calls % sites.watch == 0 and not torch.compiler.is_compiling()
     sites.sampling = sample
     try:
-        with mode:
-            out = fn(*args, **kwargs)
+        bindings = sites.fast_bindings(sample) if sites.checker is None else None
+        prev = _fastpath.MISSED if bindings is None else _fastpath.enter(sites, bindings)
+        if prev is not _fastpath.MISSED:  # the table's spellings swapped in place: no mode
+            try:
+                if sites.calls == 1 or sample:  # the survey: a call the swap missed is found
+                    with Survey(sites):
+                        out = fn(*args, **kwargs)
+                else:
+                    out = fn(*args, **kwargs)
+            finally:
+                _fastpath.leave(prev, bindings)
+        else:
+            with mode:
+                out = fn(*args, **kwargs)
         if (sites.customs is not False and sites.checker is None and torch.is_grad_enabled()
                 and not _compat.functorch_active()):  # (under vmap a value cannot be read)
             _guard_custom_backwards(sites, out)
