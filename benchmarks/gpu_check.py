@@ -137,17 +137,40 @@ def _peak(fn) -> float:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
+class NullMode(torch.overrides.TorchFunctionMode):
+    """A mode whose handler only calls the function: the floor of any design that runs
+    Python for each torch call (issue 38 item 2)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _null(step):
+    def run():
+        with NullMode():
+            step()
+
+    return run
+
+
 def step_times(compile_too: bool) -> dict:
+    """Eager train steps: plain, harden (the swap: ``interception == "swap"``), harden under
+    the mode (``fast=False``), and the null mode, interleaved; at 8 x 512 and, in bfloat16,
+    8 x 1024."""
     model = gpt2()
-    safe = nanpass.harden(model)
-    ids = torch.randint(0, 50257, (8, 512), device=DEV)
+    safe, mode = nanpass.harden(model), nanpass.harden(model, fast=False)
     out = {}
-    for autocast in (None, torch.bfloat16, torch.float16):
-        t = _time({"plain": _step(model, ids, autocast), "nanpass": _step(safe, ids, autocast)})
-        key = f"{str(autocast)[6:]} autocast" if autocast else "float32"
+    for autocast, seq in ((None, 512), (torch.bfloat16, 512), (torch.float16, 512), (torch.bfloat16, 1024)):
+        ids = torch.randint(0, 50257, (8, seq), device=DEV)
+        t = _time({"plain": _step(model, ids, autocast), "nanpass": _step(safe, ids, autocast),
+                   "mode": _step(mode, ids, autocast), "null": _null(_step(model, ids, autocast))})
+        key = (f"{str(autocast)[6:]} autocast" if autocast else "float32") + f" 8x{seq}"
         out[key] = {"plain_ms": t["plain"], "nanpass_ms": t["nanpass"], "ratio": t["nanpass"] / t["plain"],
+                    "fast_false_ratio": t["mode"] / t["plain"], "null_mode_ratio": t["null"] / t["plain"],
+                    "interception": safe.interception,
                     "peak_mib_plain": _peak(_step(model, ids, autocast)),
                     "peak_mib_nanpass": _peak(_step(safe, ids, autocast))}
+        print(f"GPT-2 12L 768 train step, {key}: {out[key]}", flush=True)
     if compile_too:
         torch._dynamo.reset()
         ind = torch.compile(model)
@@ -281,7 +304,7 @@ def grad_scaler() -> dict:
     return {"same_trajectory": a == b, "distinct_scales": sorted(set(a)), "nanpass_distinct": sorted(set(b))}
 
 
-SECTIONS = ("contract", "grad_scaler", "steps", "check", "sync_debug", "cuda_graphs")
+SECTIONS = ("steps", "sync_debug", "check", "cuda_graphs", "contract", "grad_scaler")
 
 
 def main():
@@ -311,15 +334,16 @@ def main():
         elif name == "steps":
             res["gpt2"] = step_times(not args.no_compile)
             for k, v in res["gpt2"].items():
-                print(f"GPT-2 12L 768 train step, {k}: {v}", flush=True)
+                if k.startswith("compiled"):
+                    print(f"GPT-2 12L 768 train step, {k}: {v}", flush=True)
         else:
             res[name] = {"check": check_rows, "sync_debug": sync_debug, "cuda_graphs": cuda_graph_rows}[name]()
             for k, v in res[name].items():
                 print(f"{name}, {k}: {v}", flush=True)
         print(f"  ({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        if args.json:  # after each section: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

@@ -668,7 +668,7 @@ def _guarding() -> bool:
     if ACTIVE.get() is None:
         return False
     stack = _compat.function_mode_stack()
-    return bool(stack) and isinstance(stack[-1], GuardMode)
+    return bool(stack) and isinstance(stack[-1], (GuardMode, Survey))
 
 
 _compat.on_guarded_call(_bind, _guarding)
