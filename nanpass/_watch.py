@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from . import _deferred as deferred
-from ._check import COLLECT, PROGRESS, Event, Site, _report, _suspicious_row, describe
+from ._check import COLLECT, PROGRESS, Event, Site, _report, _suspicious_row, describe, unread
 from ._compat import custom_function, is_view, view_base, weak_id_dict
 from ._deferred import FINITE, INF, NAN, Backward, Forward, Gone, Record, pole_flag, read
 
@@ -208,13 +208,15 @@ class Watch:
         callable to name, where ``func`` wraps it)."""
         first = args[0] if args else None
         before = None
+        skip = unread(func, args, kwargs)  # (baddbmm's input with beta=0: never blamed)
+        wrote = inplace and isinstance(first, Tensor) and _plain(first) and first is not skip
         step = self.pending
         if step is not None and COLLECT.get() is not None:
             step = None  # nanpass.locate: every event, at its op
         if step is not None:  # the operands' values, looked up before an in-place op writes
             tensors = _tensors((*args, *kwargs.values()), [])
-            operands = [step.slot_of(t) for t in tensors if _plain(t)]
-        elif inplace and isinstance(first, Tensor) and _plain(first):
+            operands = [step.slot_of(t) for t in tensors if _plain(t) and t is not skip]
+        elif wrote:
             before = _finite(first)  # an in-place op overwrites its operand: look first
         out = func(*args, **kwargs)
         func = named or func
@@ -251,8 +253,8 @@ class Watch:
                 if made is not None:
                     made.nonfinite = True
         if new:
-            self._record(step, hit, args, kwargs, new, tensors, operands, made, inplace and new[0] is first,
-                         func, inplace and isinstance(first, Tensor) and _plain(first))
+            self._record(step, hit, args, kwargs, new, tensors, operands, made, wrote and new[0] is first,
+                         func, wrote)
             self._enough(step)
         return out
 
@@ -260,7 +262,8 @@ class Watch:
         """What the per-op check of a call needs once its verdict is read (nanpass.enable):
         the call, its site (the frames are gone by then) and its tensors, held weakly (and its
         floating operands again, in the order the check describes them)."""
-        plain = [t for t in _tensors((*args, *kwargs.values()), []) if _plain(t)]
+        skip = unread(func, args, kwargs)
+        plain = [t for t in _tensors((*args, *kwargs.values()), []) if _plain(t) and t is not skip]
         return (func, hit, deferred.weak(args), deferred.weak(kwargs), deferred.weak(outs), before,
                 self._made(func, hit), deferred.weak(plain))
 
@@ -297,7 +300,8 @@ class Watch:
         """The per-op check of a call whose result ``o`` is not finite (``at``: its site, where
         it was recorded at the call and is checked later)."""
         tensors = _tensors((*args, *kwargs.values()), [])
-        inputs = [t for t in tensors if _plain(t)]
+        skip = unread(func, args, kwargs)
+        inputs = [t for t in tensors if _plain(t) and t is not skip]
         # made from nothing but numbers (torch.full, torch.tensor): a constant, on purpose
         constant = not tensors or _nonfinite_number((*args, *kwargs.values()))
         if before is not None and inputs and inputs[0] is o:
