@@ -79,8 +79,9 @@ class Record:
     def __init__(self, outs, operands, constant, pole, made, inplace=False, call=None):
         self.outs, self.operands, self.constant, self.pole = outs, operands, constant, pole
         self.made, self.inplace = made, inplace  # inplace: operands[0] is what it overwrote
-        # nanpass.enable (no forward to run again): the call itself, its tensors held weakly
-        # (``Call``), for the per-op check to be made on the host once the verdict is read
+        # nanpass.enable (no forward to run again): (rule hit, results and operands as
+        # ``Ref``s, the in-place operand's slot or -1 for ``x[i] = v``, its site), for the
+        # per-op check to be made on the host from the states once they are read
         self.call = call
 
 
@@ -96,35 +97,6 @@ class Ref:
     def get(self) -> Tensor | None:
         t = self.ref()
         return t if t is not None and version(t) == self.version else None
-
-
-class Gone(Exception):
-    """A tensor of a recorded call was freed or written over before the verdict was read."""
-
-
-def weak(x):
-    """``x`` (a call's arguments) with every tensor held weakly."""
-    if isinstance(x, Tensor):
-        return Ref(x)
-    if type(x) in (tuple, list):
-        return type(x)(weak(v) for v in x)
-    if type(x) is dict:
-        return {k: weak(v) for k, v in x.items()}
-    return x
-
-
-def strong(x):
-    """The arguments again; ``Gone`` where a tensor no longer holds the call's value."""
-    if isinstance(x, Ref):
-        t = x.get()
-        if t is None:
-            raise Gone
-        return t
-    if type(x) in (tuple, list):
-        return type(x)(strong(v) for v in x)
-    if type(x) is dict:
-        return {k: strong(v) for k, v in x.items()}
-    return x
 
 
 class Forward:

@@ -29,7 +29,7 @@ import torch
 from . import _deferred as deferred
 from ._check import COLLECT, PROGRESS, Event, Site, _report, _suspicious_row, describe, unread
 from ._compat import custom_function, is_view, view_base, weak_id_dict
-from ._deferred import FINITE, INF, NAN, Backward, Forward, Gone, Record, pole_flag, read
+from ._deferred import FINITE, INF, NAN, Backward, Forward, Record, pole_flag, read
 
 Tensor = torch.Tensor
 _HALF = (torch.float16, torch.bfloat16)
@@ -258,14 +258,14 @@ class Watch:
             self._enough(step)
         return out
 
-    def _call(self, func, hit, args, kwargs, outs, before) -> tuple:
-        """What the per-op check of a call needs once its verdict is read (nanpass.enable):
-        the call, its site (the frames are gone by then) and its tensors, held weakly (and its
-        floating operands again, in the order the check describes them)."""
+    def _call(self, func, hit, args, kwargs, outs, before, made=None) -> tuple:
+        """What the check of a call needs once its verdict is read (nanpass.enable): its site
+        (the frames are gone by then), its results and its floating operands (in the order
+        the check describes them), held weakly."""
         skip = unread(func, args, kwargs)
-        plain = [t for t in _tensors((*args, *kwargs.values()), []) if _plain(t) and t is not skip]
-        return (func, hit, deferred.weak(args), deferred.weak(kwargs), deferred.weak(outs), before,
-                self._made(func, hit), deferred.weak(plain))
+        plain = [deferred.Ref(t) for t in _tensors((*args, *kwargs.values()), [])
+                 if _plain(t) and t is not skip]
+        return hit, [deferred.Ref(o) for o in outs], before, made or self._made(func, hit), plain
 
     def _enough(self, step: Forward) -> None:
         if self.program and len(step.scalars) > _MOST:
@@ -285,7 +285,7 @@ class Watch:
                 pole = step.add(new[0], pole_flag(new[0], x, hit[0].poles, self._poles))
         call = None
         if self.program:  # the operand an in-place call overwrote: its state before
-            call = self._call(func, hit, args, kwargs, new, operands[0][0] if wrote and operands else None)
+            call = self._call(func, hit, args, kwargs, new, operands[0][0] if wrote and operands else None, made)
         step.records.append(Record(outs, operands, constant, pole, made, inplace, call))
 
     def _made(self, func, hit) -> _Made:
@@ -293,12 +293,10 @@ class Watch:
         op = hit[0].name if hit is not None else ""
         return _Made(op, hit[1].name if hit is not None else op_name(func), module, path, file, line)
 
-    def _site(self, func, hit, at: _Made | None = None) -> Site:
-        return (at or self._made(func, hit)).site()
+    def _site(self, func, hit) -> Site:
+        return self._made(func, hit).site()
 
-    def _nonfinite(self, func, hit, args, kwargs, o: Tensor, before, made, at: _Made | None = None) -> None:
-        """The per-op check of a call whose result ``o`` is not finite (``at``: its site, where
-        it was recorded at the call and is checked later)."""
+    def _nonfinite(self, func, hit, args, kwargs, o: Tensor, before, made) -> None:
         tensors = _tensors((*args, *kwargs.values()), [])
         skip = unread(func, args, kwargs)
         inputs = [t for t in tensors if _plain(t) and t is not skip]
@@ -314,11 +312,11 @@ class Watch:
             in_nan = in_nan or nan
         if nan and not in_nan and constant:
             # a NaN constant (torch.tensor(nan), a NaN fill a nan-reduction ignores): on purpose
-            self.origins[o] = _Origin(self._site(func, hit, at), "made on purpose (a NaN constant) by")
+            self.origins[o] = _Origin(self._site(func, hit), "made on purpose (a NaN constant) by")
             return
         if nan and not in_nan:
             origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
-            site = self._site(func, hit, at)
+            site = self._site(func, hit)
             if in_inf:
                 why = (f"the infinity in its operand was {origin}" if origin is not None else
                        "the infinity in its operand came from code nanpass did not watch")
@@ -331,14 +329,14 @@ class Watch:
         if nan or in_nan:
             site = None
             if COLLECT.get() is not None:  # locate's chain: what the NaN went through
-                site = self._site(func, hit, at)
+                site = self._site(func, hit)
                 COLLECT.get().append(Event("forward", "NaN", False, site,
                                            f"nanpass: NaN passed through {site}"))
             if not self.found:  # where it was first seen, for the output's error
                 nans = [t for t in inputs if bool(torch.isnan(t).any())]
                 origin = next((x for x in map(self._origin, nans) if x is not None), None)
                 if origin is None:
-                    site = site or self._site(func, hit, at)
+                    site = site or self._site(func, hit)
                     param = any(isinstance(t, torch.nn.Parameter) for t in nans)
                     origin = _Origin(site, "already in a parameter (an earlier step put it there) "
                                      "read by" if param else "first seen in an operand of")
@@ -347,11 +345,11 @@ class Watch:
         if in_inf:  # an infinity travelling on
             origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
             if origin is None:  # from the input, or code nanpass did not watch
-                origin = _Origin(self._site(func, hit, at), "first seen in an operand of")
+                origin = _Origin(self._site(func, hit), "first seen in an operand of")
             self.origins[o] = origin
             return
         # an Inf from finite operands: on purpose (a constant, a pole) or an overflow
-        site = self._site(func, hit, at)
+        site = self._site(func, hit)
         if constant:
             self.origins[o] = _Origin(site, "made on purpose (an infinite constant) by")
             return
@@ -563,40 +561,19 @@ class Watch:
             self.backward_verdicts(bw, st[len(fw):])
 
     def _replay(self, step: Forward, st: list[int]) -> None:
-        """The per-op check, made now on each recorded call whose result was not finite, in
-        the order the calls ran, on the same values (autograd keeps what it saved). A call
-        whose values were freed or written over since is classified from its states alone,
-        as ``_nonfinite`` would, and named from its record (``_from_states``)."""
+        """The per-op check, made now from the states on each recorded call whose result was
+        not finite, in the order the calls ran (``_from_states``)."""
         by_slot: dict[int, _Origin] = {}  # where each non-finite value's infinity was born
         for r in step.records:
-            if r.call is None or all(st[k] == FINITE for k in r.outs):
-                continue
-            func, hit, wargs, wkwargs, wouts, before_k, at, _ = r.call
-            try:
-                args, kwargs, outs = deferred.strong(wargs), deferred.strong(wkwargs), deferred.strong(wouts)
-            except Gone:
+            if r.call is not None and any(st[k] != FINITE for k in r.outs):
                 self._from_states(step, r, st, by_slot)
-                continue
-            if before_k == -1:  # x[mask] = v: no result; an infinite constant written on purpose
-                if r.constant:
-                    self.origins[outs[0]] = _Origin(at.site(), "made on purpose (an infinite constant) by")
-            else:
-                before = None if before_k is None else st[before_k] == FINITE
-                for o, k in zip(outs, r.outs, strict=True):
-                    if st[k] != FINITE:
-                        self._nonfinite(func, hit, args, kwargs, o, before, r.made, at)
-                        if r.made is not None:
-                            r.made.nonfinite = True
-            for o, k in zip(outs, r.outs, strict=True):
-                origin = self._origin(o)
-                if origin is not None:
-                    by_slot[k] = origin
 
     def _from_states(self, step: Forward, r: Record, st: list[int], by_slot: dict) -> None:
-        """``_nonfinite`` of a call whose values are gone: the same decisions from the states
-        of its operands and results, the same message less the operands' description."""
-        func, hit, wargs, wkwargs, wouts, before_k, at, wplain = r.call
-        inputs = [x.get() for x in wplain]  # those still held, as they were
+        """``_nonfinite`` of a recorded call: the same decisions from the states of its
+        operands and results, the same message, each operand described where it is still held
+        as it was (autograd keeps what it saved; the rest were freed or written over)."""
+        hit, wouts, before_k, at, wplain = r.call
+        inputs = [x.get() for x in wplain]
         ops = [(k, st[k]) for k, _ in r.operands]
         before = FINITE
         if before_k is not None and before_k != -1 and ops:
@@ -631,8 +608,12 @@ class Watch:
             elif nan or in_nan:
                 origin = None
                 if not self.found:
-                    origin = origin_of([k2 for k2, s in ops if s == NAN]) or _Origin(
-                        site, "first seen in an operand of")
+                    nans = [i for i, (_, s) in enumerate(ops) if s == NAN]
+                    origin = origin_of([ops[i][0] for i in nans])
+                    if origin is None:
+                        param = any(isinstance(inputs[i], torch.nn.Parameter) for i in nans if i < len(inputs))
+                        origin = _Origin(site, "already in a parameter (an earlier step put it there) "
+                                         "read by" if param else "first seen in an operand of")
             elif in_inf:
                 origin = origin_of(in_inf) or _Origin(site, "first seen in an operand of")
             elif r.constant:
