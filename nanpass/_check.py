@@ -181,9 +181,26 @@ class _InGrad(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+# the ops whose first operand, ``input``, is not read where ``beta`` is 0: torch's documentation
+# says its NaN and inf are not propagated (diffusers' attention passes torch.empty there)
+_BETA_INPUT = frozenset(n + s for n in ("addmm", "baddbmm", "addbmm", "addmv", "addr") for s in ("", "_"))
+
+
+def unread(func, args, kwargs):
+    """The operand a call does not read, which a check never blames (None where it reads all):
+    ``input`` of ``torch.baddbmm(input, b1, b2, beta=0)``, uninitialised memory as often as not."""
+    if getattr(func, "__name__", None) not in _BETA_INPUT:
+        return None
+    beta = kwargs.get("beta", 1)
+    if not isinstance(beta, (int, float)) or beta != 0:
+        return None
+    return args[0] if args else kwargs.get("input", kwargs.get("self"))
+
+
 def checked(fn, args, kwargs, site: Site, warn: bool):
     """Run ``fn`` and check its result; wire the backward check when autograd is recording."""
-    inputs = list(_float_tensors((*args, *kwargs.values())))
+    skip = unread(fn, args, kwargs)
+    inputs = [t for t in _float_tensors((*args, *kwargs.values())) if t is not skip]
     state = _GradState()
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         args = tuple(_InGrad.apply(a, state, site, i, warn)

@@ -266,12 +266,15 @@ def run_script(mode: str, report: str | None, script: str, script_args: list[str
         return 2
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    with enable(mode, report=report):
+    with enable(mode, report=report) as on:
         try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            code = e.code
-            return code if isinstance(code, int) else (0 if code is None else 1)
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as e:
+                code = e.code
+                on.flush()  # the verdicts still on the device, read before the run ends
+                return code if isinstance(code, int) else (0 if code is None else 1)
+            on.flush()
         except NonFiniteError as e:
             print(f"{e}\nnanpass run: stopped {script} at the first NaN/Inf it made (above: the op, "
                   f"your line, its operands); `--mode guard` trains through it", file=sys.stderr)

@@ -609,6 +609,15 @@ def is_view(t) -> bool:
     return t._is_view()
 
 
+@entry("tensor_version", "Tensor._version (a tensor's version counter, bumped by each in-place write)")
+def _tensor_version():
+    return Tensor._version
+
+
+def version(t) -> int:
+    return t._version
+
+
 # -- the every-op check ----------------------------------------------------------------------
 
 

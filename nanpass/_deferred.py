@@ -23,7 +23,7 @@ from weakref import ref
 
 import torch
 
-from ._compat import at_backward_end, is_view, view_base
+from ._compat import at_backward_end, is_view, version, view_base
 
 Tensor = torch.Tensor
 FINITE, INF, NAN = 0, 1, 2
@@ -33,16 +33,17 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def scalar(t: Tensor) -> Tensor:
-    """One reduction, finite exactly when every element is (NaN where one is NaN, or where
-    both infinities are): the sum in a wider float (float32 for a half, float64 for float32:
-    a mask of ``finfo.min`` everywhere does not overflow there), and for float64 (or on MPS,
-    which has no float64) the largest magnitude, which no finite tensor can overflow."""
+    """One reduction, finite exactly when every element is, NaN exactly when one is NaN (a
+    sum is NaN where both infinities meet, and an overflow of float16 would then read as a
+    NaN made): the sum of magnitudes in a wider float (float32 for a half, float64 for
+    float32: a mask of ``finfo.min`` everywhere does not overflow there), and for float64 (or
+    on MPS, which has no float64) the largest magnitude, which no finite tensor can overflow."""
     if t.requires_grad:
         t = t.detach()
     if t.dtype in _HALF:
-        return t.sum(dtype=torch.float32)
+        return torch.linalg.vector_norm(t, 1, dtype=torch.float32)
     if t.dtype == torch.float32 and not t.is_mps:
-        return t.sum(dtype=torch.float64)
+        return torch.linalg.vector_norm(t, 1, dtype=torch.float64)
     return torch.linalg.vector_norm(t, float("inf"))
 
 
@@ -73,17 +74,35 @@ class Record:
     """One watched call: the slots of its new values, and of the values its operands were
     (``view`` where an operand is a view of that value: it holds some of its elements)."""
 
-    __slots__ = ("outs", "operands", "constant", "pole", "made", "inplace")
+    __slots__ = ("outs", "operands", "constant", "pole", "made", "inplace", "call")
 
-    def __init__(self, outs, operands, constant, pole, made, inplace=False):
+    def __init__(self, outs, operands, constant, pole, made, inplace=False, call=None):
         self.outs, self.operands, self.constant, self.pole = outs, operands, constant, pole
         self.made, self.inplace = made, inplace  # inplace: operands[0] is what it overwrote
+        # nanpass.enable (no forward to run again): (rule hit, results and operands as
+        # ``Ref``s, the in-place operand's slot or -1 for ``x[i] = v``, its site), for the
+        # per-op check to be made on the host from the states once they are read
+        self.call = call
+
+
+class Ref:
+    """A tensor held weakly with the version it had: the value is the call's only while the
+    tensor lives (autograd keeps what it saved) and no in-place write has changed it."""
+
+    __slots__ = ("ref", "version", "dtype")
+
+    def __init__(self, t: Tensor):
+        self.ref, self.version, self.dtype = ref(t), version(t), t.dtype
+
+    def get(self) -> Tensor | None:
+        t = self.ref()
+        return t if t is not None and version(t) == self.version else None
 
 
 class Forward:
     """The scalars and records of one hardened forward."""
 
-    __slots__ = ("scalars", "slots", "records", "reasons", "nan_reasons")
+    __slots__ = ("scalars", "slots", "records", "reasons", "nan_reasons", "escapes")
 
     def __init__(self):
         self.scalars: list[Tensor] = []
@@ -93,6 +112,7 @@ class Forward:
         self.records: list[Record] = []
         self.reasons: list[int] = []  # slots reported if not finite (the state, the output)
         self.nan_reasons: list[int] = []  # slots reported if NaN (an input)
+        self.escapes: list[tuple] = []  # (a tensor, what it is): the loss, named if not finite
 
     def add(self, t: Tensor, value: Tensor | None = None) -> int:
         self.scalars.append(scalar(t) if value is None else value)
@@ -120,11 +140,12 @@ class Forward:
                 return b, True
         return self.add(t), False  # a tensor made outside the watch: its own scalar
 
-    def verdict(self) -> str | None:
+    def verdict(self, st: list[int] | None = None) -> str | None:
         """None: nothing to report. "definite": the per-op check would report (or an input,
         the state or the output is not finite). "maybe": a view of a non-finite value was
-        read, whose own elements only the per-op check can tell."""
-        st = read(self.scalars)
+        read, whose own elements only the per-op check can tell. ``st``: the states, where
+        they were read already (with a backward's, in one copy)."""
+        st = read(self.scalars) if st is None else st
         for r in self.records:  # a backward whose forward value was not finite says so
             if r.made is not None and any(st[k] != FINITE for k in r.outs):
                 r.made.nonfinite = True
@@ -132,31 +153,38 @@ class Forward:
             return "definite"
         maybe = False
         for r in self.records:
-            bad = [st[k] for k in r.outs if st[k] != FINITE]
-            if not bad:
-                continue
-            ops = [st[k] for k, _ in r.operands]
-            if any(view and st[k] != FINITE for k, view in r.operands):
-                maybe = True
-                continue
-            before = ops.pop(0) if r.inplace and ops else FINITE
-            in_nan, in_inf = NAN in ops, INF in ops
-            for state in bad:
-                nan = state == NAN
-                if before != FINITE:  # the in-place operand was already non-finite
-                    in_inf, in_nan = True, in_nan or nan
-                if nan and not in_nan:
-                    if r.constant:
-                        continue  # a NaN constant, on purpose
-                    return "definite"
-                if nan or in_nan or in_inf:
-                    continue  # a NaN or an infinity passed on
-                if r.constant or (r.pole is not None and st[r.pole] != FINITE):
-                    continue  # an infinity made on purpose
-                if self._sum_overflowed(r):
-                    break  # finite values whose sum passed the largest float
-                return "definite"  # an overflow from finite operands
+            found = self.classify(r, st)
+            if found == "definite":
+                return found
+            maybe = maybe or found == "maybe"
         return "maybe" if maybe else None
+
+    def classify(self, r: Record, st: list[int]) -> str | None:
+        """One record as the per-op check classifies its call: "definite" where it reports."""
+        bad = [st[k] for k in r.outs if st[k] != FINITE]
+        if not bad:
+            return None
+        ops = [st[k] for k, _ in r.operands]
+        if any(view and st[k] != FINITE for k, view in r.operands):
+            return "maybe"
+        before = ops.pop(0) if r.inplace and ops else FINITE
+        in_nan, in_inf = NAN in ops, INF in ops
+        for state in bad:
+            nan = state == NAN
+            if before != FINITE:  # the in-place operand was already non-finite
+                in_inf, in_nan = True, in_nan or nan
+            if nan and not in_nan:
+                if r.constant:
+                    continue  # a NaN constant, on purpose
+                return "definite"
+            if nan or in_nan or in_inf:
+                continue  # a NaN or an infinity passed on
+            if r.constant or (r.pole is not None and st[r.pole] != FINITE):
+                continue  # an infinity made on purpose
+            if self._sum_overflowed(r):
+                break  # finite values whose sum passed the largest float
+            return "definite"  # an overflow from finite operands
+        return None
 
     def _sum_overflowed(self, r: Record) -> bool:
         """Every value of the record's results still held is finite: only their sum was not
@@ -211,7 +239,7 @@ def start_backward(watch) -> Backward:
 
         def end():
             watch.pending_backward = None
-            watch.backward_verdicts(bw)
+            watch.backward_ended(bw)
 
         at_backward_end(end)
     return bw

@@ -69,6 +69,11 @@ class Enabled:
         refuse_broken_guards(config)
         self.config = config
         self.sites = Sites(None, config, config.watch)
+        self._watch = self.sites.checker
+        if self._watch is not None and not config.stop_at_op:
+            # each call's verdict stays on the device; read when a backward ends, before an
+            # optimizer step and at the end (on a GPU a read waits for every queued kernel)
+            self._watch.start_program()
         self.skipped = 0
         self._mode = _ProgramMode(self.sites)
         self._handles: list = []
@@ -92,6 +97,26 @@ class Enabled:
         return self
 
     def disable(self) -> None:
+        """Switch nanpass off, after reading the verdicts still on the device (a NaN made
+        since the last optimizer step or backward is reported here)."""
+        if not self._on:
+            return
+        try:
+            self.flush()
+        finally:
+            self._off()
+
+    def flush(self) -> None:
+        """Read the verdicts still on the device now: report a NaN/Inf made since the last
+        optimizer step or backward (check and warn modes; nothing to do in the others)."""
+        if self._watch is not None and self._watch.program:
+            self._mode.paused += 1  # (its own reads are not the program's calls)
+            try:
+                self._watch.flush()
+            finally:
+                self._mode.paused -= 1
+
+    def _off(self) -> None:
         if not self._on:
             return
         self._on = False
@@ -107,10 +132,14 @@ class Enabled:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.disable()
+        if exc[0] is None:
+            self.disable()
+        else:  # already failing: the verdicts of the step it stopped in are dropped
+            self._off()
 
     # -- the optimizer ---------------------------------------------------------------------------
     def _before_step(self, optimizer, args, kwargs):
+        self.flush()  # what ran since the backward (clipping, the loss code): read before the step
         self._mode.paused += 1
         # args are step's own, the optimizer first: step(self, closure=None)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)

@@ -530,11 +530,7 @@ def _watched(watch: Watch, sites: Sites, func, hit, args, kwargs):
     names also records its site for the report."""
     name = getattr(func, "__name__", None)
     if name == "backward" and args and isinstance(args[0], Tensor):  # loss.backward()
-        watch.escaped([args[0]], "the loss")
-        try:
-            return func(*args, **kwargs)
-        finally:
-            watch.found = False  # the next step starts afresh
+        return watch.loss_backward(func, args, kwargs)
     if isinstance(func, ATEN_OPS) or name in _UNWATCHED:
         return func(*args, **kwargs)
     if hit is not None and (not hit[0].only_dtypes or hit[2] or _in_dtypes(hit[0], args)):

@@ -26,13 +26,18 @@ from collections.abc import Mapping
 
 import torch
 
-from ._check import COLLECT, PROGRESS, Event, Site, _report, _suspicious_row, describe
+from . import _deferred as deferred
+from ._check import COLLECT, PROGRESS, Event, Site, _report, _suspicious_row, describe, unread
 from ._compat import custom_function, is_view, view_base, weak_id_dict
-from ._deferred import FINITE, NAN, Backward, Forward, Record, pole_flag, read, start_backward
+from ._deferred import FINITE, INF, NAN, Backward, Forward, Record, pole_flag, read
 
 Tensor = torch.Tensor
 _HALF = (torch.float16, torch.bfloat16)
 _KEY = "nanpass_watch"  # an autograd node's metadata: the site that made it
+# nanpass.enable: the verdicts of a program that neither steps an optimizer nor runs a backward
+# (an evaluation loop) are read once this many are kept, so that they never pile up
+_MOST = 20_000
+_FREED = "freed (or written over) before nanpass read the step's verdicts"
 # autograd nodes whose backward only moves a gradient (a view, a transpose, a slice): it
 # cannot make one non-finite, so they are not hooked (an expand's backward sums: it is)
 _MOVES = frozenset({
@@ -174,9 +179,23 @@ class Watch:
         self._local = threading.local()  # the forward being collected, per thread
         self.pending_backward: Backward | None = None
         self._poles: dict = {}
+        # nanpass.enable: one Forward kept open for the program's main thread, read when a
+        # backward ends, before an optimizer step and at the end (``flush``)
+        self.program = False
+        self._program: Forward | None = None
+
+    def start_program(self) -> None:
+        """nanpass.enable's check: verdicts on the device, read at the step's few points."""
+        self.deferred = self.program = True
 
     @property
     def pending(self) -> Forward | None:
+        if self.program:
+            if threading.current_thread() is not threading.main_thread():
+                return None  # (the program's mode is the main thread's)
+            if self._program is None:
+                self._program = Forward()
+            return self._program
         return getattr(self._local, "forward", None)
 
     @pending.setter
@@ -189,13 +208,15 @@ class Watch:
         callable to name, where ``func`` wraps it)."""
         first = args[0] if args else None
         before = None
+        skip = unread(func, args, kwargs)  # (baddbmm's input with beta=0: never blamed)
+        wrote = inplace and isinstance(first, Tensor) and _plain(first) and first is not skip
         step = self.pending
         if step is not None and COLLECT.get() is not None:
             step = None  # nanpass.locate: every event, at its op
         if step is not None:  # the operands' values, looked up before an in-place op writes
             tensors = _tensors((*args, *kwargs.values()), [])
-            operands = [step.slot_of(t) for t in tensors if _plain(t)]
-        elif inplace and isinstance(first, Tensor) and _plain(first):
+            operands = [step.slot_of(t) for t in tensors if _plain(t) and t is not skip]
+        elif wrote:
             before = _finite(first)  # an in-place op overwrites its operand: look first
         out = func(*args, **kwargs)
         func = named or func
@@ -209,8 +230,10 @@ class Watch:
         else:
             if step is not None:
                 if isinstance(first, Tensor) and _plain(first):  # x[mask] = v writes into x
-                    step.records.append(Record([step.add(first)], operands,
-                                               _nonfinite_number(args[1:]), None, None, inplace=True))
+                    call = self._call(func, hit, args, kwargs, [first], -1) if self.program else None
+                    step.records.append(Record([step.add(first)], operands, _nonfinite_number(args[1:]),
+                                               None, None, inplace=True, call=call))
+                    self._enough(step)
             elif isinstance(first, Tensor) and _nonfinite_number(args[1:]):  # x[mask] = -inf
                 self.origins[first] = _Origin(self._site(func, hit), "made on purpose (an infinite constant) by")
             return out
@@ -230,10 +253,26 @@ class Watch:
                 if made is not None:
                     made.nonfinite = True
         if new:
-            self._record(step, hit, args, kwargs, new, tensors, operands, made, inplace and new[0] is first)
+            self._record(step, hit, args, kwargs, new, tensors, operands, made, wrote and new[0] is first,
+                         func, wrote)
+            self._enough(step)
         return out
 
-    def _record(self, step: Forward, hit, args, kwargs, new, tensors, operands, made, inplace) -> None:
+    def _call(self, func, hit, args, kwargs, outs, before, made=None) -> tuple:
+        """What the check of a call needs once its verdict is read (nanpass.enable): its site
+        (the frames are gone by then), its results and its floating operands (in the order
+        the check describes them), held weakly."""
+        skip = unread(func, args, kwargs)
+        plain = [deferred.Ref(t) for t in _tensors((*args, *kwargs.values()), [])
+                 if _plain(t) and t is not skip]
+        return hit, [deferred.Ref(o) for o in outs], before, made or self._made(func, hit), plain
+
+    def _enough(self, step: Forward) -> None:
+        if self.program and len(step.scalars) > _MOST:
+            self.flush()
+
+    def _record(self, step: Forward, hit, args, kwargs, new, tensors, operands, made, inplace,
+                func=None, wrote=False) -> None:
         """The deferred check of one call: a scalar per new value, and what it was made from."""
         outs = [step.add(o) for o in new]
         constant = not tensors or _nonfinite_number((*args, *kwargs.values()))
@@ -244,7 +283,10 @@ class Watch:
             x = ops[k] if k < len(ops) else None
             if isinstance(x, Tensor) and _plain(x) and x.dim() <= new[0].dim():
                 pole = step.add(new[0], pole_flag(new[0], x, hit[0].poles, self._poles))
-        step.records.append(Record(outs, operands, constant, pole, made, inplace))
+        call = None
+        if self.program:  # the operand an in-place call overwrote: its state before
+            call = self._call(func, hit, args, kwargs, new, operands[0][0] if wrote and operands else None, made)
+        step.records.append(Record(outs, operands, constant, pole, made, inplace, call))
 
     def _made(self, func, hit) -> _Made:
         module, path, file, line = self.sites.locate()
@@ -256,7 +298,8 @@ class Watch:
 
     def _nonfinite(self, func, hit, args, kwargs, o: Tensor, before, made) -> None:
         tensors = _tensors((*args, *kwargs.values()), [])
-        inputs = [t for t in tensors if _plain(t)]
+        skip = unread(func, args, kwargs)
+        inputs = [t for t in tensors if _plain(t) and t is not skip]
         # made from nothing but numbers (torch.full, torch.tensor): a constant, on purpose
         constant = not tensors or _nonfinite_number((*args, *kwargs.values()))
         if before is not None and inputs and inputs[0] is o:
@@ -330,11 +373,16 @@ class Watch:
         return o
 
     def _emit(self, phase, kind, site, text, inputs=(), created=True) -> None:
+        """Report ``text`` with each operand described (None: an operand freed before a
+        deferred verdict was read, ``_from_states``)."""
         self.found = True
-        operands = tuple(describe(t) for t in inputs)
+        operands = tuple(_FREED if t is None else describe(t) for t in inputs)
         detail = "".join(f"\n  operand {i}: {d}" for i, d in enumerate(operands))
         message = f"nanpass: {text}{detail}"
-        index = _suspicious_row(inputs[0]) if inputs else None
+        if any(t is None for t in inputs):
+            message += ("\n  (nanpass.enable reads its verdicts once a step, not at each op: "
+                        "enable(mode, stop_at_op=True) stops at the op itself)")
+        index = _suspicious_row(inputs[0]) if inputs and inputs[0] is not None else None
         _report(Event(phase, kind, created, site, message, operands, index), self.warn)
 
     # -- the output and the loss ----------------------------------------------------------------
@@ -417,7 +465,7 @@ class Watch:
             # read once when the backward ends (a custom Function's backward is checked here,
             # at its node, so that its own line can be named by running it again)
             received = [g for g in grad_outputs if isinstance(g, Tensor) and _plain(g)]
-            bw = start_backward(self)
+            bw = deferred.start_backward(self)
             bw.records.append((made, name, bw.slots_of(given), bw.slots_of(received),
                                [(tuple(g.shape), g.dtype) for g in given]))
             return
@@ -451,10 +499,16 @@ class Watch:
                    f"non-finite gradient reaches {what} from the code after it (the loss): "
                    f"{describe(grad)}")
 
-    def backward_verdicts(self, bw: Backward) -> None:
+    def backward_ended(self, bw: Backward) -> None:
+        if self.program:
+            self.flush(bw)  # the forward's verdicts with the backward's, in one copy
+        else:
+            self.backward_verdicts(bw)
+
+    def backward_verdicts(self, bw: Backward, st: list[int] | None = None) -> None:
         """The backward's scalars, read once: the first node that made a finite gradient
         non-finite is named, with its forward site (as ``backward`` names it at the node)."""
-        st = read(bw.scalars)
+        st = read(bw.scalars) if st is None else st
         for made, name, given, received, shapes in bw.records:
             bad = [st[k] for k in given if st[k] != FINITE]
             if made is None:  # the gradient reaching an output, from the loss
@@ -471,18 +525,131 @@ class Watch:
             self._emit_backward(made, name, passed, f"{gave}, with {what} (read once, after the "
                                 f"backward; stop_at_op=True stops at the node and describes its values)")
 
+    # -- nanpass.enable: a program's verdicts ---------------------------------------------------
+    def loss_backward(self, func, args, kwargs):
+        """``loss.backward()``: a loss that is not finite is named (where its NaN or Inf came
+        from); the next step starts afresh."""
+        loss = args[0]
+        step = self.pending if self.program and COLLECT.get() is None else None
+        if step is None:
+            self.escaped([loss], "the loss")
+        else:  # the forward's one read: before the backward frees what it saved, which the
+            # findings describe (the backward's verdicts are read when it ends)
+            if _plain(loss):
+                k = step.get(loss)
+                step.reasons.append(k if k is not None else step.add(loss))
+                step.escapes.append((loss, "the loss"))
+            self.flush()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.found = False
+
+    def flush(self, bw: Backward | None = None) -> None:
+        """Read the program's verdicts (with a backward's, in the same copy) and report what
+        the check at each op would have reported, in the order it would have."""
+        step, self._program = self._program, None
+        fw = step.scalars if step is not None else []
+        if not fw and bw is None:
+            return
+        st = read(fw + bw.scalars if bw is not None else fw)  # the one read
+        if fw and step.verdict(st[:len(fw)]) is not None:
+            self._replay(step, st)
+            for t, what in step.escapes:
+                self.escaped([t], what)
+        if bw is not None:
+            self.backward_verdicts(bw, st[len(fw):])
+
+    def _replay(self, step: Forward, st: list[int]) -> None:
+        """The per-op check, made now from the states on each recorded call whose result was
+        not finite, in the order the calls ran (``_from_states``)."""
+        by_slot: dict[int, _Origin] = {}  # where each non-finite value's infinity was born
+        for r in step.records:
+            if r.call is not None and any(st[k] != FINITE for k in r.outs):
+                self._from_states(step, r, st, by_slot)
+
+    def _from_states(self, step: Forward, r: Record, st: list[int], by_slot: dict) -> None:
+        """``_nonfinite`` of a recorded call: the same decisions from the states of its
+        operands and results, the same message, each operand described where it is still held
+        as it was (autograd keeps what it saved; the rest were freed or written over)."""
+        hit, wouts, before_k, at, wplain = r.call
+        inputs = [x.get() for x in wplain]
+        ops = [(k, st[k]) for k, _ in r.operands]
+        before = FINITE
+        if before_k is not None and before_k != -1 and ops:
+            before = ops.pop(0)[1]  # the in-place operand, as it was
+            inputs = inputs[1:]
+
+        def origin_of(slots):
+            return next((by_slot[k] for k in slots if k in by_slot), None)
+
+        for ref_, k in zip(wouts, r.outs, strict=True):
+            if st[k] == FINITE:
+                continue
+            nan = st[k] == NAN
+            in_nan = any(s == NAN for _, s in ops)
+            in_inf = [k2 for k2, s in ops if s == INF]
+            if before != FINITE:  # the in-place operand was already non-finite
+                in_inf, in_nan = in_inf or [before_k], in_nan or nan
+            site = at.site()
+            if before_k == -1:  # x[mask] = v
+                origin = _Origin(site, "made on purpose (an infinite constant) by") if r.constant else None
+            elif nan and not in_nan and r.constant:
+                origin = _Origin(site, "made on purpose (a NaN constant) by")
+            elif nan and not in_nan:
+                if in_inf:
+                    origin = origin_of(in_inf)
+                    why = (f"the infinity in its operand was {origin}" if origin is not None else
+                           "the infinity in its operand came from code nanpass did not watch")
+                    self._emit("forward", "NaN", site, f"NaN created by {site}\n  from an infinity: {why}", inputs)
+                else:
+                    self._emit("forward", "NaN", site, f"NaN created by {site}\n  every operand was finite", inputs)
+                return
+            elif nan or in_nan:
+                origin = None
+                if not self.found:
+                    nans = [i for i, (_, s) in enumerate(ops) if s == NAN]
+                    origin = origin_of([ops[i][0] for i in nans])
+                    if origin is None:
+                        param = any(isinstance(inputs[i], torch.nn.Parameter) for i in nans if i < len(inputs))
+                        origin = _Origin(site, "already in a parameter (an earlier step put it there) "
+                                         "read by" if param else "first seen in an operand of")
+            elif in_inf:
+                origin = origin_of(in_inf) or _Origin(site, "first seen in an operand of")
+            elif r.constant:
+                origin = _Origin(site, "made on purpose (an infinite constant) by")
+            elif r.pole is not None and st[r.pole] != FINITE:
+                origin = _Origin(site, f"made at a pole of {hit[0].name} by")
+            elif step.classify(r, st) is None:
+                continue  # finite values whose sum alone passed the largest float
+            else:
+                self._emit("forward", "Inf", site, f"Inf created by {site}\n  an overflow past the "
+                           f"{str(ref_.dtype)[6:]} maximum ({torch.finfo(ref_.dtype).max:.4g}) from "
+                           f"finite operands", inputs)
+                return
+            if origin is not None:
+                by_slot[k] = origin
+                o = ref_.get()
+                if o is not None:
+                    self.origins[o] = origin
+            if r.made is not None:
+                r.made.nonfinite = True
+
     def _rerun_custom(self, made: _Made, node, grad_outputs) -> bool:
         """A custom Function's backward made it: run that backward again with every call
         checked, so the report names the line inside it."""
         ctx = node()
         if ctx is None:
             return False
-        before = self.found
+        before, program = self.found, self.program
+        self.program = False  # (nanpass.enable: checked at each op, here and now)
         try:
             with torch.no_grad(), self.sites.mode():
                 made.fn.backward(ctx, *grad_outputs)
         except RuntimeError:
             return False  # its saved tensors are gone (a second backward): name the method
+        finally:
+            self.program = program
         return self.found and not before
 
 
@@ -512,7 +679,7 @@ class _OutputGrad:
             return
         self.done = True
         if _plain(grad) and self.watch.deferred and COLLECT.get() is None:
-            bw = start_backward(self.watch)
+            bw = deferred.start_backward(self.watch)
             bw.records.append((None, self.what, bw.slots_of([grad]), [], grad))
             return
         if _plain(grad) and not _finite(grad):

@@ -188,3 +188,102 @@ def test_threads_keep_their_own_verdicts():
         t.join()
     assert "good" not in errors
     assert errors["bad"].startswith("nanpass: NaN in the input")
+
+
+# -- nanpass.enable / nanpass run: no forward to run again -----------------------------------------
+
+
+def _train_step(model, batch, opt):
+    _step(model, batch)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # loss code between backward and step
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _program_reads(model, batch, mode) -> int:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanpass.enable(mode):
+        _train_step(model, batch, opt)  # the first step records each site
+        with _Reads() as r:
+            _train_step(model, batch, opt)
+    return r.n
+
+
+@pytest.mark.parametrize("mode", ["check", "warn"])
+@pytest.mark.parametrize("name", ["mlp", "encoder", "gpt2"])
+def test_enable_reads_the_host_at_most_twice_a_step(name, mode):
+    """A whole program under nanpass.enable (the forward, the loss code, the backward, the
+    clipping before the optimizer step): its verdicts are read when the backward starts and
+    when it ends, not at each call."""
+    model, batch = _model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    _train_step(model, batch, opt)
+    with _Reads() as r:
+        _train_step(model, batch, opt)
+    plain = r.n
+    checked = _program_reads(model, batch, mode)
+    assert checked <= plain + 2, f"{name}, enable({mode!r}): {checked} host reads a step, plain {plain}"
+
+
+_FREED = "freed (or written over) before nanpass read the step's verdicts"
+
+
+def _program_finding(where, mode, stop_at_op, no_grad=False):
+    import warnings
+
+    torch.manual_seed(0)
+    m = _Bad(where)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with nanpass.enable(mode, stop_at_op=stop_at_op):
+                if no_grad:
+                    with torch.no_grad():
+                        m(x)
+                else:
+                    m(x).sum().backward()
+                    opt.step()
+        except nanpass.NonFiniteError as e:
+            return str(e)
+    found = [str(w.message) for w in caught if issubclass(w.category, nanpass.NonFiniteWarning)]
+    return found[0] if found else None
+
+
+def _same_finding(got: str, want: str) -> None:
+    """The same op, line, reason and origin; each operand described as at the op, or said to
+    be freed where autograd did not keep it (the note then says how to stop at the op)."""
+    got_lines, want_lines = got.split("\n"), want.split("\n")
+    if _FREED in got:
+        assert got_lines[-1].startswith("  (nanpass.enable reads its verdicts once a step")
+        got_lines = got_lines[:-1]
+    assert len(got_lines) == len(want_lines), (got, want)
+    for g, w in zip(got_lines, want_lines, strict=True):
+        assert g == w or (g.endswith(_FREED) and g.split(":")[0] == w.split(":")[0]), (got, want)
+
+
+@pytest.mark.parametrize("where", ["forward-nan", "forward-overflow", "mask-then-nan", "backward"])
+@pytest.mark.parametrize("mode", ["check", "warn"])
+def test_enable_names_what_the_check_at_each_op_names(where, mode):
+    """nanpass.enable cannot run the forward again: its records name the op, the user's line,
+    the reason and where an infinity made on purpose was born, as ``stop_at_op=True`` does at
+    the op; the operands autograd keeps are described as there."""
+    got, want = _program_finding(where, mode, False), _program_finding(where, mode, True)
+    assert got is not None and want is not None
+    if where == "backward":  # named at the same node and line; the values are read once
+        assert got.split("\n")[:2] == want.split("\n")[:2]
+    else:
+        _same_finding(got, want)
+    if where == "forward-nan":  # log keeps its operand for its backward: described in full
+        assert got == want
+
+
+@pytest.mark.parametrize("where", ["forward-nan", "forward-overflow", "mask-then-nan"])
+def test_enable_reads_a_forward_with_no_backward_at_the_end(where):
+    """An evaluation (no backward, no optimizer step): the verdicts are read when enable
+    ends, with the same op and line."""
+    got = _program_finding(where, "check", False, no_grad=True)
+    want = _program_finding(where, "check", True, no_grad=True)
+    assert got is not None and want is not None
+    _same_finding(got, want)

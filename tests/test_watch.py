@@ -428,3 +428,40 @@ def test_check_mode_is_silent_on_hugging_face_models_that_train_finite(name):
     model.zero_grad()
     with nanpass.enable(mode="check"):
         model(**batch).loss.backward()
+
+
+class _BetaZeroScores(nn.Module):
+    """diffusers' AttnProcessor: ``baddbmm(torch.empty(...), q, k^T, beta=0)``; here the
+    ignored input is filled with a NaN or an infinity on purpose, not left to chance."""
+
+    def __init__(self, fill, spelling):
+        super().__init__()
+        self.fill, self.spelling = fill, spelling
+
+    def forward(self, q, k):
+        ignored = torch.full((q.shape[0], q.shape[1], k.shape[1]), self.fill, dtype=q.dtype)
+        if self.spelling == "method":
+            return ignored.baddbmm(q, k.transpose(-1, -2), beta=0, alpha=1.0)
+        return torch.baddbmm(ignored, q, k.transpose(-1, -2), beta=0, alpha=1.0)
+
+
+@pytest.mark.parametrize("spelling", ["function", "method"])
+@pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("stop_at_op", [False, True])
+def test_an_operand_the_op_does_not_read_is_never_blamed(stop_at_op, fill, spelling):
+    """With beta=0 baddbmm ignores its input (torch: its NaN and inf are not propagated): a
+    float16 product past the largest float16 is baddbmm's own overflow, named as such, and
+    the same finding every run."""
+    big = torch.finfo(torch.float16).max
+    q = torch.full((1, 2, 2), big, dtype=torch.float16)
+    k = torch.full((1, 3, 2), 2.0, dtype=torch.float16)  # each score: 2 * 2 * 65504 -> inf
+    safe = nanpass.harden(_BetaZeroScores(fill, spelling), mode="check", stop_at_op=stop_at_op)
+    found = []
+    for _ in range(2):
+        with pytest.raises(nanpass.NonFiniteError) as e:
+            safe(q, k)
+        found.append(str(e.value))
+    assert found[0].startswith("nanpass: Inf created by "), found[0]
+    assert "baddbmm" in found[0].split("\n")[0]
+    assert "an overflow past the float16 maximum" in found[0]
+    assert found[0] == found[1]
