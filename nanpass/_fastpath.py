@@ -78,10 +78,12 @@ def _stand_in(orig):
 
     def call(*args, **kwargs):
         sites = getattr(_local, "sites", None)
-        if sites is None or (only and not admit(rule, args)):
+        if sites is None:
             return orig(*args, **kwargs)
-        _local.sites = None  # the guard's own calls run as written
+        _local.sites = None  # the guard's own calls (a composite's too) run as written
         try:
+            if only and not admit(rule, args):  # not unsafe in this dtype: as the mode leaves it
+                return orig(*args, **kwargs)
             return sites.call(hit, args, kwargs or {})
         finally:
             _local.sites = sites
@@ -99,11 +101,12 @@ def _stand_in(orig):
 class _Swap:
     """One place a spelling is looked up: a namespace attribute, a module's global, a cell."""
 
-    __slots__ = ("where", "name", "orig", "had")
+    __slots__ = ("where", "name", "orig", "had", "new")
 
     def __init__(self, where, name, orig):
         self.where, self.name, self.orig = where, name, orig
         self.had = isinstance(where, type) and name in vars(where)
+        self.new = _stand_in(orig)
 
     def current(self):
         if isinstance(self.where, dict):
@@ -120,7 +123,7 @@ class _Swap:
         patch made since: the call runs under the mode, which sees what that patch calls)."""
         if self.current() is not self.orig:
             return False
-        new = _stand_in(self.orig)
+        new = self.new
         if isinstance(self.where, dict):
             self.where[self.name] = new
         elif isinstance(self.where, types.CellType):
@@ -130,7 +133,7 @@ class _Swap:
         return True
 
     def take(self) -> None:
-        if self.current() is not _STAND_INS.get(self.orig):
+        if self.current() is not self.new:
             return  # replaced during the call: the later patch stays
         if isinstance(self.where, dict):
             self.where[self.name] = self.orig

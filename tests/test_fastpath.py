@@ -284,3 +284,26 @@ def test_real_models_take_the_swap_and_match_the_mode_bit_for_bit(name):
         return {(c.op, c.module, c.source, c.action) for c in h.changes}
 
     assert sites(fast) == sites(mode)
+
+
+def test_a_compiled_region_inside_a_hardened_call_is_guarded():
+    class Inner(nn.Module):
+        def forward(self, x):
+            return torch.log(x) + x / x
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.compile(Inner(), backend="aot_eager")
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    torch._dynamo.reset()
+    x = ZERO.clone().requires_grad_()
+    safe = nanpass.harden(Outer())
+    out = safe(x)
+    out.sum().backward()
+    assert safe.interception == "swap"
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert torch.compile(lambda t: torch.log(t), backend="aot_eager")(ZERO).isinf().all()  # plain after
