@@ -585,6 +585,32 @@ def foreach_mul_(tensors, scalar) -> None:
     torch._foreach_mul_(tensors, scalar)
 
 
+@entry("dynamo_tables", "torch._dynamo.trace_rules.get_tensor_method and get_torch_obj_rule_map "
+       "(dynamo's tables of torch's callables, each built once from torch's attributes) and "
+       "the _torchdynamo_orig_callable of a torch.compile'd function", at_import=False)
+def _dynamo_tables():
+    from torch._dynamo import trace_rules
+
+    return trace_rules.get_tensor_method, trace_rules.get_torch_obj_rule_map
+
+
+def build_dynamo_tables() -> None:
+    """Dynamo's tables of torch's callables, built now if dynamo is imported: built while the
+    fast path has torch's names swapped, they would list the stand-ins and not torch's own."""
+    if "torch._dynamo.trace_rules" not in sys.modules or "dynamo_tables" in MISSING:
+        return
+    try:
+        for build in _dynamo_tables():
+            build()
+    except (ImportError, AttributeError) as err:  # pragma: no cover - a torch without them
+        MISSING["dynamo_tables"] = f"{type(err).__name__}: {err}"
+
+
+def compiled_function(obj) -> bool:
+    """Whether ``obj`` is a function ``torch.compile`` wrapped."""
+    return callable(obj) and getattr(obj, "_torchdynamo_orig_callable", None) is not None
+
+
 @entry("function_mode_stack", "torch.overrides._get_current_function_mode_stack")
 def _mode_stack():
     import torch.overrides as ov

@@ -13,19 +13,21 @@ says why (``Sites.fast``). What it still cannot see is in the architecture doc, 
 
 The swap is process-wide while any thread runs a hardened call (counted), and each swapped
 function reads a thread-local: another thread's calls, and calls made inside a guard, run as
-written. Under dynamo the hardened call runs under the mode (traced into the graph), never
+written. On CPython 3.13 and later (``TAG_LIMITED``) the swap is not made: the mode runs. Under dynamo the hardened call runs under the mode (traced into the graph), never
 through this path.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import types
 from collections.abc import Callable
 
 import torch
 
+from . import _compat
 from ._rules import CALLS
 
 Tensor = torch.Tensor
@@ -148,6 +150,13 @@ class _Swap:
 _BASE: list[_Swap] = []
 _EXTRA: dict = {}  # (id of the dict or cell, name) -> [_Swap, users]; the dict or cell held by it
 
+# Swapping Tensor's methods sets attributes of the class, and each clears its attribute-cache
+# version tag. From CPython 3.13 a class that has used 1,000 tags is never cached again, so a
+# swap per call would slow every tensor attribute lookup of the process for good after a few
+# dozen calls; swapping once and keeping it hides torch's own methods from dynamo's tables.
+# There the model runs under the mode (``Sites.fast`` says so).
+TAG_LIMITED = sys.version_info >= (3, 13)
+
 
 def _base() -> list[_Swap]:
     if not _BASE:
@@ -172,6 +181,7 @@ def enter(sites, bindings: tuple = ()):
     with _lock:
         done: list = []
         if _users == 0:
+            _compat.build_dynamo_tables()
             for s in _base():
                 if not s.put():
                     return _undo(done)
@@ -250,7 +260,10 @@ def scan(model: torch.nn.Module) -> tuple[tuple[Binding, ...], str | None]:
     found: dict = {}
     todo: list = []
     seen: set = set()
-    for m in model.modules():
+    for name, m in model.named_modules():
+        if type(m).__module__ == "torch._dynamo.eval_frame":  # OptimizedModule, without importing dynamo
+            return (), (f"{name or 'the model'} is torch.compile'd: dynamo may first build its tables "
+                        f"of torch's callables while the names are swapped")
         for k, v in vars(m).items():
             if isinstance(v, functools.partial):
                 v = v.func
@@ -290,6 +303,9 @@ def scan(model: torch.nn.Module) -> tuple[tuple[Binding, ...], str | None]:
                 continue
             if _key(v) is not None:
                 found.setdefault((id(g), name), Binding(g, name, v, f"{name} in {where}"))
+            elif _compat.compiled_function(v):
+                return (), (f"{name} ({where}) is torch.compile'd: dynamo may first build its tables "
+                            f"of torch's callables while the names are swapped")
             elif isinstance(v, (types.FunctionType, type)):
                 todo.append(v)
             elif isinstance(v, (dict, list, tuple)) and any(_key(x) is not None for x in

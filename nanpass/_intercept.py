@@ -141,6 +141,10 @@ class Sites:
             return None
         if self.fast is not None:
             return None
+        if _fastpath.TAG_LIMITED:
+            self.fast = ("Python 3.13+ stops caching a class's attributes after 1,000 changes, and the "
+                         "swap changes Tensor's on each call")
+            return None
         if self._bindings is None or rescan:
             bindings, why = _fastpath.scan(self.model)
             self.fast, self._bindings = why, (bindings if why is None else ())
@@ -424,7 +428,10 @@ _HIT_INDEX: dict = {fn: i for i, fn in enumerate(CALLS, 1)}
 @_compat.constant_result
 def _hit_index(func) -> int:
     try:
-        return _HIT_INDEX.get(func, 0)
+        i = _HIT_INDEX.get(func, 0)
+        if not i and func in _fastpath.STAND_IN_HITS:  # Tensor's stand-ins stay swapped in
+            i = _HIT_INDEX.get(func.__wrapped__, 0)
+        return i
     except TypeError:  # an unhashable callable
         return 0
 
