@@ -46,8 +46,10 @@ _NANPASS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # the mode of the hardened call running in this thread/context (checkpoint's recompute reads it)
 ACTIVE: contextvars.ContextVar[GuardMode | None] = contextvars.ContextVar("nanpass_active", default=None)
 
-# frames where the walk for a call site stops: the hardened model's entry point (run_guarded)
-BOUNDARY: set = set()
+# frames where the walk for a call site stops: the hardened model's entry point (run_guarded),
+# as the ids of their code objects (a code object dynamo rewrote around a graph break can hold its
+# globals dict as a constant: unhashable, so the walk never hashes a frame's code)
+BOUNDARY: set[int] = set()
 
 
 def _float_operand(args, kwargs) -> bool:
@@ -204,7 +206,7 @@ class Sites:
         module = src = first = None
         while f is not None:
             code = f.f_code
-            if code in BOUNDARY:
+            if id(code) in BOUNDARY:
                 break
             name = code.co_filename
             if not name.startswith(_NANPASS_DIR):
@@ -231,7 +233,7 @@ class Sites:
         if torch.compiler.is_compiling():  # no frames to walk, no site dict to read
             return self._traced(rule, sp, args, kwargs)
         module, frame = self._where(3)
-        key = (rule.name, sp.name, self._module_key(module), frame.f_code if frame else None,
+        key = (rule.name, sp.name, self._module_key(module), _code_key(frame),
                frame.f_lasti if frame else None)
         return self._run_for(key, rule, sp, module, frame, args, kwargs)
 
@@ -370,6 +372,20 @@ class Sites:
             if action == "guarded":
                 self._changes_by_key[key] = change
             return change
+
+
+def _code_key(frame):
+    """A frame's code object, as a site key holds it. Dynamo's rewrite of a frame around a graph
+    break can hold an unhashable constant (the globals dict of a nested function or lambda it
+    rebuilds): such a code object is keyed by its file, name and first line."""
+    if frame is None:
+        return None
+    code = frame.f_code
+    try:
+        hash(code)
+    except TypeError:
+        return code.co_filename, code.co_name, code.co_firstlineno
+    return code
 
 
 def _outermost(module: torch.nn.Module) -> torch.nn.Module:
@@ -587,7 +603,7 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
             sites.end_sample()
 
 
-BOUNDARY.add(run_guarded.__code__)
+BOUNDARY.add(id(run_guarded.__code__))
 
 
 def _guard_custom_backwards(sites: Sites, out) -> None:

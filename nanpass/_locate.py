@@ -111,7 +111,11 @@ def locate(model: torch.nn.Module, *inputs, loss_fn=None, progress: bool | None 
         forward = list(events)
         if loss_fn is not None:
             PROGRESS.set(lambda: bar("backward"))
-            loss_fn(out).backward()
+            loss = loss_fn(out)
+            # a loss that nothing requires a gradient of (a model with no parameters, a metric,
+            # inputs that do not require grad) has no backward: the forward's finding stands
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
     finally:
         COLLECT.reset(token)
         PROGRESS.reset(ptoken)

@@ -234,6 +234,35 @@ def test_locate_blames_the_data():
     assert finding.forward.phase == "input" and finding.forward.index == 3
     assert finding.suggestion.startswith("the data already holds NaN at batch index 3")
 
+class _HalfDouble(nn.Module):
+    """A loss or metric: no parameters, a float16 product that overflows."""
+
+    def forward(self, x):
+        return (x * 2.0).sum(-1)
+
+
+class _RootSum(nn.Module):
+    def forward(self, a):
+        return a.sqrt().sum()  # finite forward at 0, infinite gradient
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad-anywhere", "input-requires-grad"])
+def test_locate_a_model_with_no_parameters(grad):
+    """Issue 39 item 3: with a loss_fn and nothing that requires a gradient, the backward
+    raised torch's 'element 0 of tensors does not require grad' instead of the finding."""
+    x = torch.full((2, 4), torch.finfo(torch.float16).max, dtype=torch.float16, requires_grad=grad)
+    for loss_fn in (None, lambda o: o.float().sum()):
+        finding = nanpass.locate(_HalfDouble(), x, loss_fn=loss_fn, progress=False)
+        assert finding.forward is not None and finding.forward.created
+        assert finding.forward.kind == "Inf" and finding.forward.site.spelling == "Tensor.mul"
+        assert finding.backward is None
+        assert "overflow" in finding.suggestion
+    # a parameter-free model whose input requires grad: the backward still runs, and is checked
+    a = torch.zeros(2, 3, requires_grad=grad)
+    finding = nanpass.locate(_RootSum(), a, loss_fn=lambda o: o, progress=False)
+    assert finding.forward is None
+    assert (finding.backward is not None and finding.backward.site.op == "sqrt") == grad
+
 
 class Stat(nn.Module):
     def forward(self, x, d):

@@ -7,6 +7,7 @@ model as the model. Each case compares against the plain model, which must work 
 
 from __future__ import annotations
 
+import operator
 import re
 
 import pytest
@@ -414,6 +415,195 @@ def test_a_graph_break_inside_a_guard_keeps_every_call_after_it(backend):
         got = torch.compile(nanpass.harden(model), backend=backend)(x)
         assert got[1] is False and got[2] is torch.float32 and got[3] == x.shape
         assert torch.equal(got[0], want[0]) and torch.equal(got[4], want[4])
+
+
+# -- eager calls under a frame dynamo rewrote (issue 39 item 2) ------------------------------
+
+# aot_autograd's own warning, from the plain compiled model too (anomaly mode on an index_put)
+_TORCH_OWN = pytest.mark.filterwarnings("ignore:Error detected in IndexPutBackward0")
+
+
+class _HistogramLoss(torch.nn.Module):
+    """The histogram loss of valerystrizh/pytorch-histogram-loss (its issue #12), trimmed and
+    written anew: the similarities of the positive and of the negative pairs are binned by
+    linear interpolation in a nested function whose boolean-mask writes divide by a float
+    attribute, after data-dependent graph breaks (``.item()``, ``.nonzero()``); the loss is the
+    chance that a negative pair is more similar than a positive one. Compiled hardened, a
+    division in ``histogram`` raised ``TypeError: unsupported operand type(s) for /: 'Tensor'
+    and 'float'`` (or 'int') on torch 2.11 and 2.13, where dynamo runs those calls eagerly."""
+
+    def __init__(self, bins: int = 25):
+        super().__init__()
+        self.step = 2 / (bins - 1)
+        self.eps = 1 / bins
+        self.t = torch.arange(-1, 1 + self.step, self.step).view(-1, 1)
+
+    def forward(self, feats, labels):
+        def histogram(mask, count):
+            s = sims.clone()
+            lower = ((floor - (self.t - self.step)).abs() < self.eps) & mask
+            assert lower.nonzero().size(0) == count, "another number of bins should be used"
+            upper = torch.cat((lower, torch.zeros(1, lower.size(1), dtype=torch.bool)))[1:]
+            s[~(lower | upper)] = 0
+            s[lower] = (s - self.t + self.step)[lower] / self.step
+            s[upper] = (-s + self.t + self.step)[upper] / self.step
+            return s.sum(1) / count
+
+        n, bins = labels.size(0), self.t.size(0)
+        same = (labels.view(1, -1) == labels.view(-1, 1)).data
+        dots = feats @ feats.t()
+        assert ((dots > 1 + self.eps).sum().item() + (dots < -1 - self.eps).sum().item()) == 0, \
+            "features must be L2-normalised"
+        pairs = torch.ones(n, n).triu(1).bool()
+        pos = same[pairs]
+        sims = dots[pairs].view(1, -1).repeat(bins, 1)
+        floor = (torch.floor(sims.data / self.step) * self.step).float()
+        hist_pos = histogram(pos.repeat(bins, 1), pos.sum().item())
+        hist_neg = histogram((~pos).repeat(bins, 1), (~pos).sum().item())
+        cdf = hist_pos.view(-1, 1).repeat(1, bins)
+        cdf[torch.ones(bins, bins).tril(-1).bool()] = 0
+        return (hist_neg * cdf.sum(0)).sum()
+
+
+@_TORCH_OWN
+def test_compiled_hardened_histogram_loss_runs_as_eager_harden():
+    """Issue 39 item 2: the plain loss compiles and eager harden runs; compiled hardened, it
+    raised a TypeError at its divisions, on every input."""
+    torch.manual_seed(0)
+    feats = torch.nn.functional.normalize(torch.randn(8, 4), dim=1)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 0, 1])
+    loss = _HistogramLoss()
+    results = []
+    for model in (loss, nanpass.harden(loss), torch.compile(loss, backend="aot_eager"),
+                  torch.compile(nanpass.harden(loss), backend="aot_eager")):
+        x = feats.clone().requires_grad_()
+        out = model(x, labels)
+        out.backward()
+        results.append((out, x.grad))
+    torch._dynamo.reset()
+    want = results[0]
+    for out, grad in results[1:]:
+        assert torch.equal(out, want[0]) and torch.equal(grad, want[1])
+
+
+# The cause: where dynamo graph-breaks it rewrites the frame, and a nested function or lambda
+# alive across the break is rebuilt from its globals dict, held as a constant of the new code
+# object: that code object is unhashable. A guarded call run eagerly below such a frame (at the
+# break, in a frame dynamo does not compile, after a break inside a guard of check mode) walked
+# the stack for its call site, hashing each frame's code object; the TypeError came out of a
+# Tensor operator as NotImplemented ("unsupported operand type(s)"), and of a function as
+# "unhashable type: 'dict'". Every spelling, in every context that runs it eagerly there:
+SCALAR_SPELLINGS = {
+    "x / 2.0": lambda x: x / 2.0,
+    "2.0 / x": lambda x: 2.0 / x,
+    "x /= 2.0": lambda x: x.clone().__itruediv__(2.0),
+    "x.div(2.0)": lambda x: x.div(2.0),
+    "torch.div(x, 2.0)": lambda x: torch.div(x, 2.0),
+    "x ** 0.5": lambda x: x ** 0.5,
+    "2.0 ** x": lambda x: 2.0 ** x,
+    "x.log()": lambda x: x.log(),
+    "torch.sqrt(x)": lambda x: torch.sqrt(x),
+}
+
+
+@torch.compiler.disable
+def _eager_helper(fn, y):
+    return fn(y)
+
+
+class _NestedAfterBreak(torch.nn.Module):
+    """The histogram loss's idiom: a mask write in a nested function after a ``.nonzero()``."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        def inner(y):
+            m = y > 0
+            assert m.nonzero().size(0) >= 0
+            z = y.clone()
+            z[m] = self.fn(y)[m]
+            return z
+        return inner(x) + inner(x * 2)
+
+
+class _LambdaOverBreak(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        g = lambda y: self.fn(y) * 2  # noqa: E731 - the construct under test
+        n = x.nonzero().shape[0]
+        torch._dynamo.graph_break()
+        return g(x) + n
+
+
+class _DisabledHelper(torch.nn.Module):
+    """The call in a function dynamo does not compile, under a frame holding a lambda."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        g = lambda y: y * 2  # noqa: E731 - the construct under test
+        return g(_eager_helper(self.fn, x))
+
+
+CONTEXTS = {"nested function after a break": _NestedAfterBreak, "lambda over a break": _LambdaOverBreak,
+            "torch.compiler.disable": _DisabledHelper}
+# guard mode on values the guards change; check mode on safe ones (it would raise there)
+_SCALAR_INPUTS = {"guard": [[0.0, -1.0, 2.0, 4.0], [1e-30, 3.0, -0.5, 8.0]],
+                  "check": [[0.5, 1.0, 2.0, 4.0], [1.5, 3.0, 0.25, 8.0]]}
+
+
+def _fast(context, spelling, mode):
+    # in the fast tier: every spelling where guard mode failed (a guard mode compile is cheap),
+    # and each context in check mode on one spelling; the rest in the slow tier
+    if mode == "guard":
+        return context == "torch.compiler.disable"
+    return spelling == "x.log()"
+
+
+@_TORCH_OWN
+@pytest.mark.parametrize(("context", "spelling", "mode"), [
+    pytest.param(c, s, m, marks=() if _fast(c, s, m) else pytest.mark.slow)
+    for c in CONTEXTS for s in SCALAR_SPELLINGS for m in ("guard", "check")])
+def test_eager_calls_under_a_rewritten_frame_run_as_eager_harden(context, spelling, mode):
+    model = CONTEXTS[context](SCALAR_SPELLINGS[spelling])
+    results = []
+    for m in (nanpass.harden(model, mode=mode), torch.compile(nanpass.harden(model, mode=mode), backend="aot_eager")):
+        x = torch.tensor(_SCALAR_INPUTS[mode], requires_grad=True)
+        out = m(x)
+        out.sum().backward()
+        results.append((out, x.grad))
+    torch._dynamo.reset()
+    (want, want_grad), (got, got_grad) = results
+    assert torch.isfinite(got).all() and torch.isfinite(got_grad).all()
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+
+
+@pytest.mark.parametrize("mode", ["guard", "check"])
+def test_a_disabled_torch_callable_in_a_rewritten_frame_keys_its_site(mode):
+    """A torch callable run eagerly from a rewritten frame: that frame is the call's own site,
+    and the site's key held its unhashable code object."""
+    calls = [torch.compiler.disable(f) for f in (torch.log, torch.Tensor.div, operator.truediv)]
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            g = lambda y: y * 2  # noqa: E731 - the construct under test
+            return g(calls[0](x) + calls[1](x, 2.0) + calls[2](2.0, x))
+
+    x = torch.tensor(_SCALAR_INPUTS[mode])
+    want = nanpass.harden(Model(), mode=mode)(x)
+    hardened = nanpass.harden(Model(), mode=mode)
+    got = torch.compile(hardened, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+    if mode == "guard":  # the sites are recorded, each at its own line
+        assert {c.op for c in hardened.changes} >= {"log", "div"}
 
 
 # -- torch.func -------------------------------------------------------------------------------
