@@ -121,15 +121,29 @@ class Sites:
         # spellings, looked at on the first call and each sampled one (a module swapped in);
         # `fast` says why the mode runs instead, where it does
         self.fast: str | None = None if config.fast else "fast=False"
-        self._bindings: tuple | None = None
+        self._swaps: tuple | None = None
+        self._learned: set = set()  # Tensor names the survey found the code to use
+        self._kinds: tuple = ()  # the module classes the last scan read
 
-    def missed(self, sp: Spelling) -> None:
+    def missed(self, sp: Spelling, func) -> None:
         """A call the fast path's swap did not reach: the mode from now on, and said where
         calls before this one may have run unguarded."""
         if self.fast is not None:
             return
         module, frame = self._where(3)
         at = _source(frame)[0] or "an unknown line"
+        names = _fastpath.tensor_names(func) - self._learned
+        if names and not any(s.where is Tensor and s.name in names for s in self._swaps or ()):
+            # a Tensor method or operator the scan did not see the code use: swapped from the
+            # next call
+            self._learned |= names
+            self._swaps = None
+            if self.calls > 1:
+                warnings.warn(
+                    f"nanpass: {sp.name} at {at} is called from code the scan of the model did not "
+                    f"reach; the calls before this one may have run it unguarded; it is swapped "
+                    f"from now on", GuardWarning, stacklevel=4)
+            return
         self.fast = f"{sp.name} at {at} is reached through a name the swap cannot change"
         if self.calls > 1:
             warnings.warn(
@@ -137,8 +151,8 @@ class Sites:
                 f"this model runs under a TorchFunctionMode from now on (harden(..., fast=False) "
                 f"starts so)", GuardWarning, stacklevel=4)
 
-    def fast_bindings(self, rescan: bool) -> tuple | None:
-        """The bindings to swap for a call on the fast path, or None: run under the mode."""
+    def fast_swaps(self, rescan: bool) -> tuple | None:
+        """What a call on the fast path swaps, or None: run under the mode."""
         if not self.config.fast or self.model is None or _compat.functorch_active():
             return None
         if self.fast is not None:
@@ -147,10 +161,14 @@ class Sites:
             self.fast = ("Python 3.13+ stops caching a class's attributes after 1,000 changes, and the "
                          "swap changes Tensor's on each call")
             return None
-        if self._bindings is None or rescan:
-            bindings, why = _fastpath.scan(self.model)
-            self.fast, self._bindings = why, (bindings if why is None else ())
-        return self._bindings if self.fast is None else None
+        if rescan and self._swaps is not None:  # a module swapped in since: its code scanned
+            kinds = tuple(map(type, self.model.modules()))
+            rescan, self._kinds = kinds != self._kinds, kinds
+        if self._swaps is None or rescan:
+            self._kinds = tuple(map(type, self.model.modules()))
+            swaps, why = _fastpath.scan(self.model, self._learned)
+            self.fast, self._swaps = why, (swaps if why is None else ())
+        return self._swaps if self.fast is None else None
 
     def locate(self):
         """(module, its path, file, line) of the user's frame making the current call."""
@@ -527,7 +545,7 @@ class Survey(TorchFunctionMode):
         if _fastpath.active():  # outside every stand-in and guard
             hit = _hit(func)
             if hit is not None and (not hit[0].only_dtypes or hit[2] or _in_dtypes(hit[0], args)):
-                self.sites.missed(hit[1])
+                self.sites.missed(hit[1], getattr(func, "__wrapped__", func))
                 prev = _fastpath.paused()
                 try:
                     return self.sites.call(hit, args, kwargs)
@@ -578,8 +596,8 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
     sample = bool(sites.watch) and sites.calls % sites.watch == 0 and not torch.compiler.is_compiling()
     sites.sampling = sample
     try:
-        bindings = sites.fast_bindings(sample) if sites.checker is None else None
-        prev = _fastpath.MISSED if bindings is None else _fastpath.enter(sites, bindings)
+        swaps = sites.fast_swaps(sample) if sites.checker is None else None
+        prev = _fastpath.MISSED if swaps is None else _fastpath.enter(sites, swaps)
         if prev is not _fastpath.MISSED:  # the table's spellings swapped in place: no mode
             try:
                 if sites.calls == 1 or sample:  # the survey: a call the swap missed is found
@@ -588,7 +606,7 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
                 else:
                     out = fn(*args, **kwargs)
             finally:
-                _fastpath.leave(prev, bindings)
+                _fastpath.leave(prev, swaps)
         else:
             with mode:
                 out = fn(*args, **kwargs)

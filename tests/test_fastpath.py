@@ -336,3 +336,32 @@ def test_a_compiled_region_inside_a_hardened_call_is_guarded():
     assert safe.interception.startswith("mode: inner is torch.compile'd")
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
     assert torch.compile(lambda t: torch.log(t), backend="aot_eager", fullgraph=True)(ZERO).isinf().all()
+
+
+def _rsqrt_helper(x):
+    return x.rsqrt()
+
+
+class _Helpers:
+    def __init__(self):
+        self.fns = {"f": _rsqrt_helper}
+
+
+HELPERS = _Helpers()
+
+
+class Learns(nn.Module):  # its Tensor method lives where the scan does not look
+    def forward(self, x):
+        return HELPERS.fns["f"](x)
+
+
+def test_a_tensor_method_the_scan_did_not_see_is_swapped_from_the_survey_on():
+    import warnings
+
+    safe = nanpass.harden(Learns(), watch=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.isfinite(safe(ZERO)).all()  # the first call's survey guards it
+        assert torch.isfinite(safe(ZERO)).all()  # then its stand-in does
+    assert safe.interception == "swap"
+    assert "rsqrt" in {s.name for s in safe._nanpass_sites._swaps if s.where is torch.Tensor}
