@@ -22,7 +22,9 @@ float64) from the operands each rule carries (`Rule.sample`, `tests/test_rule_co
 and compiled) and property-tested with hypothesis per op family (`tests/test_contract.py`):
 
 1. **Finite.** For operands that are finite or +-inf, the value, the gradient and (eager) the
-   second derivative are finite.
+   second derivative are finite; but for one gradient, left as it is on purpose: an overflow in
+   a float16 product's own backward, where a too-large loss scale shows
+   ([below](#in-backward-a-float16-products-own-overflow-stays)).
 2. **The original's bits wherever it is finite.** Where the original op's value and gradient
    are finite, the guard's are the same, bit for bit, in eager mode: also at +-max, +-inf,
    subnormals, +-0 and the guard's own thresholds and their float neighbours
@@ -62,6 +64,36 @@ float32, products and integer powers run as written, at no cost. Not guarded: a 
 add of *finite* values past 65504 (two activations of 40000); keep such reductions in float32
 (autocast does for `sum`, `mean`, `softmax`, `layer_norm`). docs/census.md lists every op and its
 status.
+
+### In backward, a float16 product's own overflow stays
+
+The backward of a float16 product (`matmul`, `linear`, `addmm`, `bmm`, `baddbmm`: an operand's
+gradient `grad_out @ B^T`, a weight's `x^T @ grad_out` summed over every token) can pass 65504
+from finite operands and a finite incoming gradient. Its guard leaves that infinity exactly as
+the original makes it, because it is where a too-large loss scale first overflows in a real
+model: the weight gradient of a linear layer, summed over the batch. GradScaler must see it to
+skip the step and lower the scale; without a scaler, StepGuard skips the step; check mode
+names the product (`non-finite gradient created by the backward of torch.matmul ... from a
+finite gradient`). Each product rule carries operands that do this (`Sample.backward_overflow`:
+a zero row times `max`, whose gradient sums two `max`), and
+`tests/test_rule_contract.py::test_a_gradient_the_ops_own_backward_overflows_is_left_for_gradscaler`
+checks that the guard keeps that gradient bit for bit, infinity included, and that check mode
+names the op; `tests/test_mixed_precision.py::test_a_float16_products_own_gradient_overflow_reaches_gradscaler`
+that the scale backs off as without nanpass.
+
+A fence there, as the other guards fence their own derivatives (0 where the incoming gradient
+was finite), was tried and measured (issue 39 item 6): with 512 tokens at a scale of 2^16 the
+plain run skips a step and halves the scale every time it grows back to 2^16, where the fenced
+one took every step, on weight gradients whose overflowed entries were zeroed, and its scale
+reached 2^20 in 8 steps. It also added two autograd nodes and a copy of the result to every
+float16 product's forward (the guard otherwise saturates the result in place, and autograd
+records nothing). The same overflow can follow a guard that zeroes its own infinite
+derivative where a model sums two huge terms that cancel: xformers' FAVOR attention with a
+tiny normaliser (xformers#96, `tests/test_real_bugs.py`) has the division's gradient by the
+normaliser zeroed, and the numerator's product `q' @ (k'^T v)` still overflows into the query
+features' gradient. The true gradient there is what is left when the two huge terms cancel
+(in float64: 2e-3 for the query of that test, 2e4 for another): neither 0 nor +-65504 knows it,
+and StepGuard skipping the step is the honest answer.
 
 How: a guard changes only the operands outside the op's safe domain. It clamps them into a
 closed domain on which the op and its derivative are finite (identity inside: clamp's gradient is
@@ -129,6 +161,10 @@ def guards_markdown() -> str:
             names = " and ".join(str(d).replace("torch.", "") for d in r.only_dtypes)
             out.append(f"- **Applies to:** {names} operands only (also under autocast); others are "
                        "not looked at and cost nothing.")
+        if r.sample is not None and r.sample.backward_overflow is not None:
+            out.append("- **Left in backward:** a gradient that the op's own backward overflows from "
+                       "finite operands and a finite incoming gradient stays inf, as in the original; "
+                       "check mode names it ([why](#in-backward-a-float16-products-own-overflow-stays)).")
         if r.sample is not None and not r.sample.dynamo:
             out.append("- **Under `torch.compile`:** dynamo graph-breaks on this op, so it runs outside "
                        "any graph, eagerly and unguarded; `nanpass.harden` guards it.")

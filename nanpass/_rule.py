@@ -94,6 +94,10 @@ class Sample:
     # torch.linalg.solve(A, B) next to torch.linalg.inv(A)); keyed by spelling name, in-place
     # and torch.Tensor.* forms folded into "Tensor.<method>"
     spellings: dict[str, Operands] = field(default_factory=dict)
+    # finite operands whose value is finite but whose backward overflows from a finite upstream
+    # gradient (a float16 product: grad_out @ B^T past max): the one non-finite gradient a guard
+    # leaves as the original's, where a too-large loss scale first shows (docs/guards.md)
+    backward_overflow: Operands | None = None
 
     def captured(self, spelling: str) -> bool:
         """Whether dynamo puts this spelling into a graph (False: a graph break, run eagerly)."""

@@ -40,6 +40,12 @@ _ZEROS = tensor(0.0, 0.0, 0.0, 0.0, shape=(2, 2))
 _COLUMN = tensor(1.0, 1.0, shape=(2, 1))
 _PIVOTS = tensor(1, 2, dtype=torch.int32)
 _LOGITS = tensor(0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 0.25, 1.0, -2.0, 3.0, 0.0, 0.5, shape=(3, 4))
+# a float16 product whose backward overflows from finite operands and a finite upstream gradient:
+# the value is 0, and grad_A = grad_out @ B^T sums two max-sized terms (max + max is inf in any
+# order of summation): what a too-large loss scale does to a linear's gradient
+_ZERO_ROW, _ZERO_ROWS = tensor(0.0, 0.0, shape=(1, 2)), tensor(0.0, 0.0, shape=(1, 1, 2))
+_MAXES, _MAXES_BATCH = tensor(*["max"] * 4, shape=(2, 2)), tensor(*["max"] * 4, shape=(1, 2, 2))
+_BACKWARD = "; an overflow of its own gradient in backward stays inf, for GradScaler and StepGuard to see"
 
 
 def _mha(masked: bool):
@@ -778,55 +784,57 @@ RULES: tuple[Rule, ...] = (
         reason="in float16 (max 65504) a product of ordinary activations overflows to inf (a T5 "
         "feed-forward output), and everything after it is inf or NaN",
         action="float16 only: the result saturated at +-sat (identity on finite values); bfloat16, "
-        "float32 and float64 (max >= 3.4e38) run as written",
+        "float32 and float64 (max >= 3.4e38) run as written" + _BACKWARD,
         functions=("torch.matmul", "torch.mm"), operators=("operator.matmul",), methods=("matmul", "mm"),
         inplace=False,
         sample=Sample(operands(tensor(300.0, 300.0, shape=(1, 2)), tensor(300.0, 300.0, shape=(2, 1))),
                       operands(tensor(3.0, 2.0, shape=(1, 2)), tensor(1.0, 4.0, shape=(2, 1))),
-                      dtypes=(torch.float16,)),
+                      dtypes=(torch.float16,), backward_overflow=operands(_ZERO_ROW, _MAXES)),
         only_dtypes=(torch.float16,),
     ),
     Rule(
         "linear", g.finite_low_precision,
         reason="nn.Linear in float16: the output overflows to inf on ordinary activations",
-        action="float16 only: the result saturated at +-sat; other dtypes run as written",
+        action="float16 only: the result saturated at +-sat; other dtypes run as written" + _BACKWARD,
         functions=("F.linear",),
         sample=Sample(operands(tensor(300.0, 300.0, shape=(1, 2)), tensor(300.0, 300.0, shape=(1, 2))),
                       operands(tensor(3.0, 2.0, shape=(1, 2)), tensor(1.0, 4.0, shape=(1, 2))),
-                      dtypes=(torch.float16,)),
+                      dtypes=(torch.float16,), backward_overflow=operands(_ZERO_ROW, _MAXES)),
         only_dtypes=(torch.float16,),
     ),
     Rule(
         "addmm", g.finite_low_precision,
         reason="bias + x @ W in float16 (Hugging Face's Conv1D): overflows to inf",
-        action="float16 only: the result saturated at +-sat; other dtypes run as written",
+        action="float16 only: the result saturated at +-sat; other dtypes run as written" + _BACKWARD,
         functions=("torch.addmm",), methods=("addmm",), inplace=False,
         sample=Sample(operands(tensor(0.0, shape=(1, 1)), tensor(300.0, 300.0, shape=(1, 2)),
                                tensor(300.0, 300.0, shape=(2, 1))),
                       operands(tensor(1.0, shape=(1, 1)), tensor(3.0, 2.0, shape=(1, 2)),
-                               tensor(1.0, 4.0, shape=(2, 1))), dtypes=(torch.float16,)),
+                               tensor(1.0, 4.0, shape=(2, 1))), dtypes=(torch.float16,),
+                      backward_overflow=operands(tensor(0.0, shape=(1, 1)), _ZERO_ROW, _MAXES)),
         only_dtypes=(torch.float16,),
     ),
     Rule(
         "bmm", g.finite_low_precision,
         reason="batched products (attention scores q @ k^T) in float16 overflow to inf",
-        action="float16 only: the result saturated at +-sat; other dtypes run as written",
+        action="float16 only: the result saturated at +-sat; other dtypes run as written" + _BACKWARD,
         functions=("torch.bmm",), methods=("bmm",), inplace=False,
         sample=Sample(operands(tensor(300.0, 300.0, shape=(1, 1, 2)), tensor(300.0, 300.0, shape=(1, 2, 1))),
                       operands(tensor(3.0, 2.0, shape=(1, 1, 2)), tensor(1.0, 4.0, shape=(1, 2, 1))),
-                      dtypes=(torch.float16,)),
+                      dtypes=(torch.float16,), backward_overflow=operands(_ZERO_ROWS, _MAXES_BATCH)),
         only_dtypes=(torch.float16,),
     ),
     Rule(
         "baddbmm", g.finite_low_precision,
         reason="masked attention scores (mask + q @ k^T, as nn.MultiheadAttention computes them) "
         "in float16 overflow to inf",
-        action="float16 only: the result saturated at +-sat; other dtypes run as written",
+        action="float16 only: the result saturated at +-sat; other dtypes run as written" + _BACKWARD,
         functions=("torch.baddbmm",), methods=("baddbmm",), inplace=False,
         sample=Sample(operands(tensor(0.0, shape=(1, 1, 1)), tensor(300.0, 300.0, shape=(1, 1, 2)),
                                tensor(300.0, 300.0, shape=(1, 2, 1))),
                       operands(tensor(1.0, shape=(1, 1, 1)), tensor(3.0, 2.0, shape=(1, 1, 2)),
-                               tensor(1.0, 4.0, shape=(1, 2, 1))), dtypes=(torch.float16,)),
+                               tensor(1.0, 4.0, shape=(1, 2, 1))), dtypes=(torch.float16,),
+                      backward_overflow=operands(tensor(0.0, shape=(1, 1, 1)), _ZERO_ROWS, _MAXES_BATCH)),
         only_dtypes=(torch.float16,),
     ),
     # -- recognised and left alone, with the reason shown in the report -------------------------

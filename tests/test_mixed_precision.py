@@ -84,6 +84,38 @@ def test_200_steps_same_scale_trajectory_as_unguarded_on_clean_data():
         assert torch.equal(a, b)
 
 
+class Product(nn.Module):
+    """A float16 linear (float32 master weights), its output summed and averaged over tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        w, b = self.fc.weight.half(), self.fc.bias.half()
+        return torch.nn.functional.linear(x.half(), w, b).float().sum() / x.shape[0]
+
+
+def test_a_float16_products_own_gradient_overflow_reaches_gradscaler():
+    """Issue 39 item 6: at a scale of 2**16 the gradient reaching the product is 2**16 / 512 =
+    128, finite, and the weight's and bias's gradients, summed over 512 tokens in the product's
+    own backward, pass 65504: where a too-large loss scale first overflows in a real model. The
+    guard leaves that infinity (docs/guards.md), so the scale backs off and grows as without
+    nanpass, step for step; a fence there (zero where the incoming gradient was finite) made
+    the scale grow to 2**20 in 8 steps without one skip."""
+    torch.manual_seed(0)
+    plain = Product()
+    safe = nanpass.harden(copy.deepcopy(plain))
+    g = torch.Generator().manual_seed(0)
+    batches = [1.5 + 0.25 * torch.rand(512, 8, generator=g) for _ in range(8)]
+    want, _ = _run(plain, batches, growth_interval=2)
+    got, _ = _run(safe, batches, growth_interval=2)
+    assert want == [2.0**15, 2.0**15, 2.0**16, 2.0**15, 2.0**15, 2.0**16, 2.0**15, 2.0**15]
+    assert got == want
+    for a, b in zip(plain.parameters(), safe.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("poison_every", [7])
 def test_poisoned_batches_recover(poison_every):
     torch.manual_seed(0)

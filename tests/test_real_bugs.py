@@ -264,6 +264,10 @@ TABLE: list[tuple[str, str, str, str]] = [
      "detection fp16: GIoU areas", "float16 boxes 300 wide: the area overflows 65504"),
     ("mha_fp16_scores_overflow", "https://github.com/pytorch/pytorch/issues/60939",
      "attention fp16: q @ k^T in F.multi_head_attention_forward", "one outlier token 1000x: its scores overflow 65504"),
+    # -- issue 39, item 6 (a tiny but non-zero normaliser: test_favor_tiny_normaliser_...)
+    ("favor_fp16_normaliser_underflow", "https://github.com/facebookresearch/xformers/issues/96",
+     "efficient attention fp16: FAVOR q' (k'^T v) / q' (k'^T 1)",
+     "a query whose positive random features underflow to 0: normaliser 0, 0 / 0"),
 ]
 
 
@@ -1307,6 +1311,40 @@ def _padding(s, pad):
 
 _HANN = {"window": torch.hann_window(64)}
 
+
+def _favor_features(x, w):
+    """Positive random features of the softmax kernel (Performers' SM+): exp(x w - |x|^2 / 2),
+    x scaled by d ** -0.25; in float16 they underflow for a query of large norm."""
+    xs = x * x.shape[-1] ** -0.25
+    return torch.exp(xs @ w - 0.5 * (xs * xs).sum(-1, keepdim=True))
+
+
+def _favor(m, q, k, v, seen: dict | None = None):
+    """xformers' FavorAttention (non-causal): q' (k'^T v) / q' (k'^T 1). ``seen``: keep the
+    query features and the numerator, with their gradients."""
+    qp, kp = _favor_features(q, m.w), _favor_features(k, m.w)
+    normaliser = qp @ (kp.transpose(-2, -1) @ torch.ones_like(v))
+    raw = qp @ (kp.transpose(-2, -1) @ v)
+    if seen is not None:
+        for name, t in (("features", qp), ("numerator", raw)):
+            t.retain_grad()
+            seen[name] = t
+    return raw / normaliser
+
+
+def _favor_make():
+    return Fn(_favor, params={"w": torch.eye(4, dtype=H)})
+
+
+def _favor_qkv(norm: float):
+    """A float16 query of ``norm`` along the first feature (its features ~ exp(-norm^2 / 8)),
+    an ordinary one, three keys, values."""
+    q = torch.tensor([[[norm, 0.0, 0.0, 0.0], [1.0, -0.5, 0.5, 0.25]]], dtype=H)
+    k = torch.tensor([[[1.0, 0.5, 0.0, -0.5], [0.5, 1.0, -0.5, 0.0], [0.0, -0.5, 1.0, 0.5]]], dtype=H)
+    v = torch.tensor([[[10.0, 20.0], [30.0, 5.0], [10.0, 20.0]]], dtype=H)
+    return leaf(q), leaf(k), leaf(v)
+
+
 CASES: dict[str, Case] = {
     # losses
     "bce_with_logits_neg_inf": Case(
@@ -1751,6 +1789,8 @@ CASES: dict[str, Case] = {
         graph_break="aot_autograd cannot trace the boolean-mask assignment (aten.nonzero): the frame runs eagerly"),
     "mha_fp16_scores_overflow": Case(
         _mha_fp16_make, lambda: _outlier_tokens(1000.0), lambda: _outlier_tokens(30.0)),
+    # norm 12: every feature of the query is exp(-27.5) or less, 0 in float16
+    "favor_fp16_normaliser_underflow": Case(_favor_make, lambda: _favor_qkv(12.0), lambda: _favor_qkv(1.0)),
 }
 
 
@@ -1830,6 +1870,44 @@ def _check(bug_id, url, op, trigger, backend: bool):
         problems.append(f"[4] harden raised {type(e).__name__}: {e}")
 
     assert not problems, f"{bug_id} ({op}; {url}):\n  " + "\n  ".join(problems)
+
+
+def test_favor_tiny_normaliser_leaves_the_products_gradient_overflow_to_stepguard():
+    """Issue 39 item 6, xformers#96 with a normaliser that is tiny but not 0 (a query of norm 8:
+    its features about 3e-5). The value is finite and the backward overflows twice in float16.
+    The division's own derivative by the normaliser (-attention / normaliser) is past 65504:
+    a guard's, so harden zeroes it. The numerator's gradient 1 / normaliser is finite, and the
+    product q' @ (k'^T v) turns it into an infinity in the query features' gradient, from
+    finite operands and a finite gradient: the one gradient overflow nanpass leaves as it is
+    (docs/guards.md), the one a too-large loss scale makes in a linear layer's backward, which
+    GradScaler must see. StepGuard skips the step; check mode names where the original's first
+    infinity is born."""
+    model = _favor_make()
+    want, grads = _run(model, _favor_qkv(8.0), True)
+    assert _finite(want) and not _finite(grads)
+
+    seen: dict = {}
+    model.fn = lambda m, *a: _favor(m, *a, seen=seen)
+    q, k, v = _favor_qkv(8.0)
+    out = nanpass.harden(model)(q, k, v)
+    assert torch.equal(out, want[0])  # the original's value, bit for bit
+    out.float().sum().backward()
+    # the normaliser's infinite gradient is zeroed: k and v get finite gradients
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+    # the gradient reaching the numerator's product is finite; what it gives the features is not
+    assert torch.isfinite(seen["numerator"].grad).all()
+    assert torch.isinf(seen["features"].grad[0, 0]).any() and torch.isfinite(seen["features"].grad[0, 1]).all()
+    assert not torch.isfinite(q.grad).all() and not torch.isfinite(model.w.grad).all()
+
+    guard = nanpass.StepGuard(torch.optim.SGD(model.parameters(), lr=0.1))
+    before = model.w.detach().clone()
+    assert guard.step() is False and guard.skipped == 1
+    assert torch.equal(model.w.detach(), before)
+
+    model.fn = _favor
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: non-finite gradient created by the backward "
+                       r"of Tensor.div in <root> \(Fn\)[^\n]*\n  from a finite gradient"):
+        nanpass.harden(model, mode="check")(*_favor_qkv(8.0)).float().sum().backward()
 
 
 def _check_backend(case: Case, model: nn.Module, problems: list) -> None:

@@ -12,15 +12,18 @@ over random operands for the op families.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import nanpass
 from nanpass._config import make_config
 from nanpass._guards import finite_call as g_finite_call
 from nanpass._rules import RULES
-from nanpass._selfcheck import NO_SAMPLE, callables
+from nanpass._selfcheck import NO_SAMPLE, callables, spelling
 from nanpass._selfcheck import finite as _finite
 from nanpass._selfcheck import floats as _floats
 from nanpass._selfcheck import grads as _grads
@@ -132,6 +135,38 @@ def test_a_non_finite_upstream_gradient_passes_through(rule, dtype, compiled, up
     for want, got in zip(*masks, strict=True):
         if want is not None:
             assert got is not None and torch.equal(got, want), f"{rule.name}: non-finite {want} became {got}"
+
+
+OVERFLOW_CASES = [pytest.param(*c.values, marks=c.marks, id=c.id) for c in CASES
+                  if c.values[0].sample.backward_overflow is not None]
+
+
+@pytest.mark.parametrize("rule,dtype,compiled", OVERFLOW_CASES)
+def test_a_gradient_the_ops_own_backward_overflows_is_left_for_gradscaler(rule, dtype, compiled):
+    """Issue 39 item 6: the one non-finite gradient a guard leaves (docs/guards.md). Finite
+    operands, a finite value and a finite upstream gradient, and the plain backward overflows (a
+    float16 product's grad_out @ B^T past max, where a too-large loss scale first shows): the
+    guard's value and gradients are the original's, the infinity included, so GradScaler and
+    StepGuard see it; check mode names the op's backward."""
+    guarded, original = _callables(rule, dtype, compiled)
+    args, kwargs = rule.sample.backward_overflow(dtype)
+    assert _finite([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
+    ref, _, ref_grads = _grads(original, args, kwargs)
+    assert _finite(ref) and not _finite(ref_grads), f"the backward_overflow operands of {rule.name} do not overflow"
+    outs, _, grads = _grads(guarded, *rule.sample.backward_overflow(dtype))
+    for got, want in zip(outs + grads, ref + ref_grads, strict=True):
+        assert torch.equal(bits(got), bits(want)), f"{rule.name}: {got} != {want}"
+    if compiled:
+        return
+
+    class Call(torch.nn.Module):
+        def forward(self, *a, **k):
+            return original(*a, **k)
+
+    args, kwargs = rule.sample.backward_overflow(dtype)
+    with pytest.raises(nanpass.NonFiniteError, match=rf"^nanpass: non-finite gradient created by the backward of "
+                       rf"{re.escape(spelling(rule).name)} in <root> \(Call\)[^\n]*\n  from a finite gradient"):
+        nanpass.harden(Call(), mode="check")(*args, **kwargs).float().sum().backward()
 
 
 @pytest.mark.inductor
