@@ -149,30 +149,6 @@ class _Swap:
             setattr(self.where, self.name, self.orig)
 
 
-class _Namespace:
-    """Every name of one module namespace (``torch``, ``F``, ...) at once: its dict updated in
-    one call, each name checked first (a name patched since: the call runs under the mode)."""
-
-    __slots__ = ("where", "name", "orig", "new", "key")
-
-    def __init__(self, module, names: dict):
-        self.where, self.name = module, "*"
-        self.key = (id(module), "*")
-        self.orig = names
-        self.new = {k: _stand_in(v) for k, v in names.items()}
-
-    def put(self) -> bool:
-        d = vars(self.where)
-        if any(d.get(k) is not v for k, v in self.orig.items()):
-            return False
-        d.update(self.new)
-        return True
-
-    def take(self) -> None:
-        d = vars(self.where)
-        d.update({k: v for k, v in self.orig.items() if d.get(k) is self.new[k]})
-
-
 _BASE: list = []
 _ON: dict = {}  # (id of the namespace, dict or cell, name) -> [_Swap, users]; held by the _Swap
 
@@ -184,18 +160,9 @@ _ON: dict = {}  # (id of the namespace, dict or cell, name) -> [_Swap, users]; h
 TAG_LIMITED = sys.version_info >= (3, 13)
 
 
-def _base() -> list:
-    """The module namespaces, one bulk swap each, then ``Tensor``'s names one by one."""
+def _base() -> list[_Swap]:
     if not _BASE:
-        by_module: dict = {}
-        tensor = []
-        for ns, name, obj in _homes():
-            if ns is Tensor:
-                tensor.append(_Swap(ns, name, obj))
-            else:
-                by_module.setdefault(ns, {})[name] = obj
-        _BASE.extend(_Namespace(m, names) for m, names in by_module.items())
-        _BASE.extend(tensor)
+        _BASE.extend(_Swap(ns, name, obj) for ns, name, obj in _homes())
     return _BASE
 
 
@@ -237,12 +204,11 @@ def _operators(code) -> set:
     return out
 
 
-def _needed(names: set) -> list:
-    """The swaps a model needs: every module namespace, and of ``Tensor`` (whose every
-    attribute set clears its method cache) each name its code looks up and every operator
-    (``x / y`` names nothing: read from the bytecode). All 312 names one by one cost 0.27 ms a call on this CPU, a
-    small model's whole forward; a name missed here is found by the survey."""
-    return [s for s in _base() if s.where is not Tensor or s.name in names]
+def _needed(names: set) -> list[_Swap]:
+    """The swaps a model needs: each name its code looks up and each operator its bytecode
+    uses (``x / y`` names nothing). All 312 names cost 0.27 ms a call on this CPU, a small
+    model's whole forward; a name the scan did not see is found by the survey."""
+    return [s for s in _base() if s.name in names]
 
 
 class Binding:
@@ -345,7 +311,14 @@ def scan(model: torch.nn.Module, learned: set = frozenset()) -> tuple[tuple, str
             continue
         seen.add(id(obj))
         if isinstance(obj, type):
-            if _ours(obj.__module__) or obj in (object, torch.nn.Module):
+            if obj in (object, torch.nn.Module):
+                continue
+            if _ours(obj.__module__):  # torch's own module: the names its code looks up
+                for v in vars(obj).values():
+                    v = getattr(v, "__func__", getattr(v, "fget", v))
+                    if isinstance(v, types.FunctionType):
+                        used |= _names(v.__code__) | _operators(v.__code__)
+                todo.extend(obj.__mro__[1:])
                 continue
             for v in vars(obj).values():
                 v = getattr(v, "__func__", v)  # staticmethod, classmethod
@@ -371,7 +344,8 @@ def scan(model: torch.nn.Module, learned: set = frozenset()) -> tuple[tuple, str
             if v is None:
                 continue
             if isinstance(v, types.ModuleType) and not _ours(v.__name__):  # utils.helper(x)
-                todo.extend(a for a in (getattr(v, n, None) for n in names)
+                d = vars(v)  # (not getattr: a module's lazy __getattr__ may import or warn)
+                todo.extend(a for a in (d.get(n) for n in names)
                             if isinstance(a, (types.FunctionType, type)))
                 continue
             if _key(v) is not None:
@@ -404,9 +378,9 @@ def _names(code) -> set:
     return names
 
 
-def tensor_names(orig) -> set:
-    """The Tensor names the table's callable ``orig`` is looked up by."""
-    return {s.name for s in _base() if s.where is Tensor and s.orig is orig}
+def homes_of(orig) -> list[_Swap]:
+    """Each namespace name the table's callable ``orig`` is looked up by."""
+    return [s for s in _base() if s.orig is orig]
 
 
 def _name(v) -> str:

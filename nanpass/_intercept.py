@@ -122,8 +122,9 @@ class Sites:
         # `fast` says why the mode runs instead, where it does
         self.fast: str | None = None if config.fast else "fast=False"
         self._swaps: tuple | None = None
-        self._learned: set = set()  # Tensor names the survey found the code to use
+        self._learned: set = set()  # names the survey found the code to look up
         self._kinds: tuple = ()  # the module classes the last scan read
+        self.verify = False  # survey the next call (a name was learned)
 
     def missed(self, sp: Spelling, func) -> None:
         """A call the fast path's swap did not reach: the mode from now on, and said where
@@ -132,12 +133,14 @@ class Sites:
             return
         module, frame = self._where(3)
         at = _source(frame)[0] or "an unknown line"
-        names = _fastpath.tensor_names(func) - self._learned
-        if names and not any(s.where is Tensor and s.name in names for s in self._swaps or ()):
-            # a Tensor method or operator the scan did not see the code use: swapped from the
-            # next call
-            self._learned |= names
+        swapped = {s.key for s in self._swaps or ()}
+        homes = _fastpath.homes_of(func)
+        if any(h.key not in swapped for h in homes):
+            # a name the scan did not see the code look up: swapped from the next call
+            self._learned |= {h.name for h in homes}
             self._swaps = None
+            self.verify = True  # the next call is surveyed too: a reference held elsewhere
+            # (an object's registry) misses the swap again, and moves the model to the mode
             if self.calls > 1:
                 warnings.warn(
                     f"nanpass: {sp.name} at {at} is called from code the scan of the model did not "
@@ -145,11 +148,16 @@ class Sites:
                     f"from now on", GuardWarning, stacklevel=4)
             return
         self.fast = f"{sp.name} at {at} is reached through a name the swap cannot change"
-        if self.calls > 1:
+        if self.calls > 1 and not self._learned_before(homes):
             warnings.warn(
                 f"nanpass: {self.fast}: the calls before this one may have run it unguarded; "
                 f"this model runs under a TorchFunctionMode from now on (harden(..., fast=False) "
                 f"starts so)", GuardWarning, stacklevel=4)
+
+    def _learned_before(self, homes) -> bool:
+        """Whether the calls before were surveyed for this callable (it was learned from the
+        survey of the call before: none of them ran it unguarded)."""
+        return bool(homes) and all(h.name in self._learned for h in homes)
 
     def fast_swaps(self, rescan: bool) -> tuple | None:
         """What a call on the fast path swaps, or None: run under the mode."""
@@ -600,7 +608,8 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
         prev = _fastpath.MISSED if swaps is None else _fastpath.enter(sites, swaps)
         if prev is not _fastpath.MISSED:  # the table's spellings swapped in place: no mode
             try:
-                if sites.calls == 1 or sample:  # the survey: a call the swap missed is found
+                surveyed, sites.verify = sites.calls == 1 or sample or sites.verify, False
+                if surveyed:  # the survey: a call the swap missed is found
                     with Survey(sites):
                         out = fn(*args, **kwargs)
                 else:
