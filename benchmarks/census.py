@@ -557,7 +557,7 @@ def _call_str(op, flat, tree, labels) -> str:
             shown.append(_Raw(label if label is not None else f"T{list(x.shape)}"))
         elif isinstance(x, torch.Tensor):
             shown.append(_Raw(f"T{list(x.shape)}:{str(x.dtype).removeprefix('torch.')}"
-                              if x.numel() > 1 else f"{x.item()!r}"))
+                              if x.numel() != 1 else f"{x.item()!r}"))
         else:
             shown.append(x)
     inp, args, kwargs = tree_unflatten(shown, tree)
