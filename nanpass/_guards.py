@@ -932,8 +932,9 @@ def _reduction(fn, args, kwargs) -> tuple[str | None, Callable | None]:
 
     reduction = given("reduction", "mean")
     size_average, reduce = given("size_average"), given("reduce")
-    if size_average is not None or reduce is not None:
-        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=False)
+    if size_average is not None or reduce is not None:  # as torch's legacy_get_string reads them
+        averaged = size_average is None or size_average
+        reduction = "none" if reduce is not None and not reduce else "mean" if averaged else "sum"
 
     def to(other: str):
         a, kw = list(args), dict(kwargs)
@@ -966,6 +967,27 @@ def _reduced_over_none(fn, args, kwargs):
     return each.sum()
 
 
+def _of_none(fn, args, kwargs):
+    """Any other call with an empty operand. Where every result is empty (group_norm of an
+    empty spatial dim, a loss with reduction='none') it has no value to guard, and the
+    gradient into each operand is a sum over no element: 0, or empty. It is computed so,
+    the op run without a graph (its backward averages no element: group_norm's kernel gives
+    its weight a NaN gradient, and aot_autograd's decomposition raises) and each result tied
+    to every operand by 0. Where a result has elements (a per-sample mean over an empty
+    feature dim), a NaN in it is read as 0."""
+    with torch.no_grad():
+        out = fn(*args, **kwargs)
+    results = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, Tensor)]
+    if any(o.numel() for o in results):
+        return finite_all(fn(*args, **kwargs))
+    ties = [a.sum() * 0 for a in (*args, *kwargs.values())
+            if isinstance(a, Tensor) and a.requires_grad and a.is_floating_point()]
+    if not ties:
+        return out
+    tie = sum(ties[1:], ties[0])
+    return _each(out, lambda o: o + tie.to(o.dtype) if isinstance(o, Tensor) and o.is_floating_point() else o)
+
+
 def mean_reduced(inner: Callable | None = None) -> Callable:
     """A loss whose reduction is a mean ('mean', the default, and kl_div's 'batchmean') over
     no element at all (a depth loss ``mse_loss(pred[valid], depth[valid])`` on a map with no
@@ -976,19 +998,15 @@ def mean_reduced(inner: Callable | None = None) -> Callable:
     smooth_l1_loss and huber_loss there compute ``2.0 / numel`` in Python and raise
     ZeroDivisionError at trace time). A 'sum' over no element is that same 0 (the kernels of
     multi_margin_loss and multilabel_margin_loss return memory they never wrote). Any other
-    call with an empty operand (a per-sample mean over an empty feature dim) has its NaN read
-    as 0. Whether an operand is empty is a shape, known before the call: every call without
-    one goes to ``inner`` (the op as written where None), so a loss over a non-empty selection
-    keeps the original's bits and gradient."""
+    call with an empty operand is ``_of_none``'s. Whether an operand is empty is a shape,
+    known before the call: every call without one goes to ``inner`` (the op as written where
+    None), so a loss over a non-empty selection keeps the original's bits and gradient."""
 
     def impl(fn, args, kwargs, consts, fence):
         if _has_empty(args, kwargs):  # a dim of static size 0 (dynamo specialises 0 and 1)
             out = None if isinstance(fn, torch.nn.Module) else _reduced_over_none(fn, args, kwargs)
-            if out is not None:
-                return out
-            if inner is None:
-                return finite_all(fn(*args, **kwargs))
-        elif inner is None:
+            return _of_none(fn, args, kwargs) if out is None else out
+        if inner is None:
             return fn(*args, **kwargs)
         return inner(fn, args, kwargs, consts, fence)
 

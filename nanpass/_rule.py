@@ -153,12 +153,13 @@ class Rule:
 
     def spellings(self, removed: bool = False) -> Iterator[Spelling]:
         """``removed``: also the spellings the running torch keeps only as a stub that says the
-        op was removed (``torch.qr`` from 2.14): docs/guards.md lists what the table names."""
+        op was removed (``torch.qr`` from 2.14), or lacks (``F.linear_cross_entropy`` before
+        2.13; its target None): docs/guards.md lists what the table names."""
         functions = _derived_functions(self.name) if self.functions is None else self.functions
         methods = ((self.name,) if hasattr(Tensor, self.name) else ()) if self.methods is None else self.methods
         for name in functions:
             fn = _resolve(name, removed)
-            if fn is not None:
+            if fn is not None or removed and self.functions is not None:
                 yield Spelling("function", name, fn, fn)
         for name in self.operators:
             fn = _resolve(name)
@@ -290,10 +291,10 @@ def _computes_in(args, dtypes: tuple[torch.dtype, ...], autocast_float32: bool) 
     return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in dtypes
 
 
-def nonempty_loss(dtypes: tuple[torch.dtype, ...] = (), autocast_float32: bool = False) -> Callable:
-    """``safe_if`` of a loss whose reduction may be a mean (``_guards.mean_reduced``): a call
+def nonempty_operands(dtypes: tuple[torch.dtype, ...] = (), autocast_float32: bool = False) -> Callable:
+    """``safe_if`` of an op that may average no element (``_guards.mean_reduced``): a call
     whose every operand has elements averages some, and is left as written, at the cost of a
-    look at the shapes. ``dtypes``: the loss has a hazard of its own in these dtypes (float16:
+    look at the shapes. ``dtypes``: the op has a hazard of its own in these dtypes (float16:
     an eps that rounds to 0), guarded in them whatever the shapes; ``Rule.only_dtypes`` cannot
     say so, since a mean over nothing is NaN in every dtype."""
 

@@ -19,7 +19,7 @@ from ._rule import (
     _nonempty_mean,
     _nonzero_divisor,
     _resolve,
-    nonempty_loss,
+    nonempty_operands,
     operands,
     tensor,
 )
@@ -269,9 +269,11 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "mean", g.finite_result,
         reason="over an empty selection it is 0 / 0 = NaN (a masked loss with no valid element: "
-        "ZoeDepth's SILog loss on a depth map with no valid pixel)",
+        "ZoeDepth's SILog loss on a depth map with no valid pixel); so is a median of no element "
+        "(median scaling of a depth map with no valid pixel)",
         action="a NaN result becomes 0; a mean over a non-empty selection is left as written",
-        functions=("torch.mean", "torch.nanmean"), methods=("mean", "nanmean"), inplace=False,
+        functions=("torch.mean", "torch.nanmean", "torch.median", "torch.nanmedian"),
+        methods=("mean", "nanmean", "median", "nanmedian"), inplace=False,
         safe_if=_nonempty_mean,
         sample=Sample(operands(tensor()), operands(tensor(1.0, 2.0, 4.0))),
     ),
@@ -319,7 +321,7 @@ RULES: tuple[Rule, ...] = (
         modules=("nn.MSELoss", "nn.L1Loss", "nn.SmoothL1Loss", "nn.HuberLoss", "nn.MarginRankingLoss",
                  "nn.HingeEmbeddingLoss", "nn.MultiLabelSoftMarginLoss", "nn.MultiMarginLoss",
                  "nn.MultiLabelMarginLoss"),
-        safe_if=nonempty_loss(),
+        safe_if=nonempty_operands(),
         sample=Sample(operands(tensor(), tensor(grad=False)),
                       operands(tensor(1.0, -2.0, 0.5), tensor(0.5, 0.0, 1.0, grad=False)),
                       ctor=dict.fromkeys(("nn.MSELoss", "nn.L1Loss", "nn.SmoothL1Loss", "nn.HuberLoss",
@@ -649,7 +651,7 @@ RULES: tuple[Rule, ...] = (
         "over an empty selection is 0 / 0 = NaN",
         action="float16: the result saturated, non-finite gradients become 0; in every dtype a mean "
         "over no element is the loss with reduction='none', summed (0, zero gradients)",
-        safe_if=nonempty_loss((torch.float16,)),
+        safe_if=nonempty_operands((torch.float16,)),
         functions=("F.gaussian_nll_loss",),
         sample=Sample(operands(tensor(1.0, 1.0), tensor(0.0, 0.0), tensor(0.0, 1.0)),
                       operands(tensor(0.5, 1.0), tensor(0.0, 1.5), tensor(1.0, 2.0)), dtypes=(torch.float16,),
@@ -661,7 +663,7 @@ RULES: tuple[Rule, ...] = (
         "default reduction, a mean, over an empty selection is 0 / 0 = NaN",
         action="float16: a NaN result becomes 0, non-finite gradients become 0; in every dtype a mean "
         "over no element is the loss with reduction='none', summed (0, zero gradients)",
-        safe_if=nonempty_loss((torch.float16,), autocast_float32=True),
+        safe_if=nonempty_operands((torch.float16,), autocast_float32=True),
         functions=("F.cosine_embedding_loss",),
         sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2)), tensor(0.0, 0.0, shape=(1, 2)),
                                tensor(1.0, grad=False)),
@@ -732,15 +734,18 @@ RULES: tuple[Rule, ...] = (
                               tensor(-1.0, 1.0, grad=False), False, 0.1, 1e-5))}),
     ),
     Rule(
-        "group_norm", g.finite_call,
-        reason="float16: at zero variance the gradient overflows (1/sqrt(eps) cubed) to inf/NaN",
-        action="float16 only: the result saturated; non-finite gradients become 0",
+        "group_norm", g.mean_reduced(g.finite_call),
+        reason="float16: at zero variance the gradient overflows (1/sqrt(eps) cubed) to inf/NaN; in "
+        "every dtype, over an empty spatial dim each group's statistics average no element and "
+        "its kernel gives the weight a NaN gradient",
+        action="float16: the result saturated, non-finite gradients become 0; in every dtype an empty "
+        "input's (empty) result has zero gradients into the weight and bias",
+        safe_if=nonempty_operands((torch.float16,), autocast_float32=True),
         functions=("F.group_norm", "torch.group_norm", "torch.native_group_norm"),
         sample=Sample(operands(tensor(0.0, 0.0, 0.0, 0.0, shape=(1, 4)), 1),
                       operands(tensor(1.0, 2.0, 0.0, -1.0, shape=(1, 4)), 1), dtypes=(torch.float16,),
                       spellings={"torch.native_group_norm": operands(  # (x, weight, bias, N, C, HxW, groups, eps)
                           tensor(0.0, 0.0, 0.0, 0.0, shape=(1, 4)), None, None, 1, 4, 1, 1, 1e-5)}),
-        only_dtypes=(torch.float16,), autocast_float32=True,
     ),
     Rule(
         "instance_norm", g.finite_call,

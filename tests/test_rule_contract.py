@@ -482,3 +482,31 @@ def test_a_loss_over_an_empty_selection_is_finite(name, reduction, capture, dtyp
     # reduced to one value: the sum over no element, +0 (multi_margin_loss's kernel returns
     # memory it never wrote); 'none': no element, as the original
     assert got.shape == want.shape and torch.equal(bits(got), bits(torch.zeros_like(want))), (got, want)
+
+
+@pytest.mark.parametrize("call,shape", [
+    (lambda F, x, y: F.mse_loss(x, y, None, None, "mean"), ()),
+    (lambda F, x, y: F.mse_loss(x, y, size_average=True), ()),
+    (lambda F, x, y: F.mse_loss(x, y, size_average=False), ()),
+    (lambda F, x, y: F.mse_loss(x, y, reduce=False), (0,)),
+    (lambda F, x, y: F.huber_loss(x, y, "mean"), ()),
+    (lambda F, x, y: torch.nn.MSELoss()(x, y), ()),
+    (lambda F, x, y: torch.nn.L1Loss(reduction="sum")(x, y), ()),
+], ids=["positional", "size_average", "size_average-false", "reduce-false", "huber-positional", "module",
+        "module-sum"])
+def test_a_loss_over_no_element_reads_its_reduction_however_spelled(call, shape):
+    import warnings
+
+    import nanpass
+
+    class Loss(torch.nn.Module):
+        def forward(self, x, y):
+            return call(torch.nn.functional, x, y)
+
+    x = torch.zeros(0, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # size_average and reduce are deprecated
+        out = nanpass.harden(Loss())(x, torch.zeros(0))
+    assert out.shape == shape and torch.equal(bits(out), bits(torch.zeros(shape))), out
+    (g,) = torch.autograd.grad(out.sum(), x)
+    assert g.shape == (0,)
