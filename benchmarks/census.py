@@ -1254,7 +1254,8 @@ def render_empty(results: list[EmptyResult], dtypes, seconds: float) -> str:
         f"{sum(r.status == 'guarded' for r in results)}, accepted "
         f"{sum(r.status == 'accepted' for r in results)}, UNGUARDED "
         f"{sum(r.status == 'UNGUARDED' for r in results)}.",
-        "- Crashed the process on a zero-size operand: " + (
+        "- Crashed the process on a zero-size operand (run in a forked child, the op is then "
+        "skipped; torch's kernel, out of reach of a guard that runs the op): " + (
             ", ".join(f"`{r.id}` ({r.crashed})" for r in crashed) if crashed else "none") + ".",
         "",
     ]
