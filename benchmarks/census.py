@@ -1154,6 +1154,15 @@ def _breaks_in_dynamo(rules) -> bool:
     return any(BY_NAME[r].sample is not None and not BY_NAME[r].sample.dynamo for r in rules)
 
 
+def empty_accepted_reason(op, harden_finite: bool = True) -> str | None:
+    """Why ``op`` may stay non-finite on zero-size operands: ``EMPTY_ACCEPTED``, or (when
+    harden is finite there) the graph break of the rule that guards it."""
+    reason = EMPTY_ACCEPTED.get(op_id(op)) or EMPTY_ACCEPTED.get(op.name)
+    if reason is None and harden_finite and _breaks_in_dynamo(rules_for(op)[0]):
+        reason = _GRAPH_BREAK
+    return reason
+
+
 def classify_empty(op, res: EmptyResult) -> None:
     if not res.found:
         res.status = "finite"
@@ -1162,9 +1171,7 @@ def classify_empty(op, res: EmptyResult) -> None:
     if "harden" not in res.found and "backend" not in res.found:
         res.status, res.detail = "guarded", ", ".join(rules) or "-"
         return
-    reason = EMPTY_ACCEPTED.get(op_id(op)) or EMPTY_ACCEPTED.get(op.name)
-    if reason is None and "harden" not in res.found and _breaks_in_dynamo(rules):
-        reason = _GRAPH_BREAK
+    reason = empty_accepted_reason(op, "harden" not in res.found)
     if reason:
         res.status, res.detail = "accepted", reason
     else:

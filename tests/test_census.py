@@ -256,7 +256,7 @@ def test_census_md_zero_size_section_agrees_with_the_lists():
             continue
         assert op is not None, f"docs/census.md lists {ident!r}, which is not an OpInfo op"
         if status.startswith("accepted: "):
-            reason = census.EMPTY_ACCEPTED.get(ident) or census.EMPTY_ACCEPTED.get(op.name)
+            reason = census.empty_accepted_reason(op)
             assert reason is not None and status == census._md(f"accepted: {reason}"), (
                 f"docs/census.md accepts {ident} on zero-size operands with a reason EMPTY_ACCEPTED "
                 f"no longer gives: {census.EMPTY_CMD}")
