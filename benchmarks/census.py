@@ -557,7 +557,7 @@ def _call_str(op, flat, tree, labels) -> str:
             shown.append(_Raw(label if label is not None else f"T{list(x.shape)}"))
         elif isinstance(x, torch.Tensor):
             shown.append(_Raw(f"T{list(x.shape)}:{str(x.dtype).removeprefix('torch.')}"
-                              if x.numel() > 1 else f"{x.item()!r}"))
+                              if x.numel() != 1 else f"{x.item()!r}"))
         else:
             shown.append(x)
     inp, args, kwargs = tree_unflatten(shown, tree)
@@ -977,6 +977,326 @@ def _census_forked(ops, dtypes, samples, budget, do_verify, progress) -> list[Op
     return results  # type: ignore[return-value]
 
 
+# --------------------------------------------------------------------------------------------
+# zero-size operands (issue 39): a mean over an empty selection
+# --------------------------------------------------------------------------------------------
+# Why an op's result on zero-size operands may stay non-finite under nanpass.harden or its
+# backend. Keyed by OpInfo name or full id, as ACCEPTED.
+_EMPTY_POOL = ("a feature map with a spatial size of 0 averaged into an output of size 1: NaN; "
+               "convolutions and the other poolings refuse such an input, so a model does not reach "
+               "it, and guarding it would intercept every adaptive pooling of a CNN")
+EMPTY_ACCEPTED: dict[str, str] = {
+    "histogram": "density=True over no sample is 0 / 0: " + _NOT_IN_MODELS,
+    "histogramdd": "density=True over no sample is 0 / 0: " + _NOT_IN_MODELS,
+    "nn.functional.adaptive_avg_pool1d": _EMPTY_POOL,
+    "nn.functional.adaptive_avg_pool2d": _EMPTY_POOL,
+    "nn.functional.adaptive_avg_pool3d": _EMPTY_POOL,
+    "nn.functional.linear_cross_entropy.chunked": (
+        "under the backend only: dynamo traces into F.linear_cross_entropy, whose chunked form "
+        "averages with its own sum and division, no guarded call; `nanpass.harden` guards the call"),
+}
+for _name in ("logsumexp", "mean", "std", "var"):  # dynamo traces them into sums and divisions
+    EMPTY_ACCEPTED["masked." + _name] = "under the backend only: " + _MASKED
+_GRAPH_BREAK = ("under the backend only: dynamo graph-breaks on it (docs/guards.md), so it runs "
+                "outside any graph, eagerly and unguarded; `nanpass.harden` guards it, and so does "
+                "`torch.compile(nanpass.harden(model))`")
+EMPTY_SECTION = "## Zero-size operands"
+EMPTY_CMD = "python benchmarks/census.py --empty --out docs/census.md"
+
+
+@dataclass
+class EmptyResult:
+    """One op on zero-size operands: the first non-finite result (or error where torch ran)
+    under each runner ("torch", "harden", "backend"); empty strings where all was finite."""
+
+    id: str
+    name: str
+    probed: int = 0
+    found: dict = field(default_factory=dict)  # runner -> example
+    crashed: str = ""
+    status: str = ""  # finite | guarded | accepted | UNGUARDED
+    detail: str = ""
+
+
+def empty_variants(sample):
+    """(description, (input, args, kwargs)) of a sample cut to no element: every tensor that
+    shares the input's leading size cut to 0 there (a batch of no sample), the same for the
+    last dim (no feature), and every tensor cut to 0 in every dim."""
+    flat, tree = tree_flatten((sample.input, list(sample.args), dict(sample.kwargs)))
+    x = sample.input
+    if not isinstance(x, torch.Tensor) or x.ndim == 0 or x.layout != torch.strided:
+        return
+
+    def cut(pred, index):
+        out = []
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                grad = t.requires_grad
+                t = (t[index(t)] if t.ndim >= 1 and pred(t) else t).detach().clone()
+                t.requires_grad_(grad and t.is_floating_point())
+            out.append(t)
+        inp, args, kwargs = tree_unflatten(out, tree)
+        return inp, tuple(args), kwargs
+
+    n0, nl = x.shape[0], x.shape[-1]
+    yield "a leading dim of size 0", cut(lambda t: t.shape[0] == n0, lambda t: slice(0, 0))
+    yield "a last dim of size 0", cut(lambda t: t.shape[-1] == nl, lambda t: (..., slice(0, 0)))
+    yield "every dim of size 0", cut(lambda t: True, lambda t: (slice(0, 0),) * t.ndim)
+
+
+def _empty_check(fn, inp, args, kwargs) -> str | None:
+    """The first non-finite value or gradient (against an all-ones upstream; a zero-size
+    operand's gradient is zero-size, a non-empty one's must be finite), or None."""
+    out = fn(inp, *args, **kwargs)
+    outs = _float_outputs(out)
+    for t in outs:
+        if not bool(torch.isfinite(t).all()):
+            return f"forward {_example_value([t])}"
+    leaves = [t for t in tree_flatten((inp, args, kwargs))[0]
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    gouts = [t for t in outs if t.requires_grad]
+    if not leaves or not gouts:
+        return None
+    grads = torch.autograd.grad(gouts, leaves, [torch.ones_like(t) for t in gouts], allow_unused=True)
+    bad = [g for g in grads if g is not None and not bool(torch.isfinite(g).all())]
+    return f"backward {_example_value(bad)}" if bad else None
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, *args, **kwargs):
+        return self.f(*args, **kwargs)
+
+
+EMPTY_SAMPLES = 12  # samples per op and dtype: OpInfo lists a loss's reductions a few samples apart
+
+
+def empty_op(op, dtypes, samples: int = EMPTY_SAMPLES, backend: bool = True,
+             backend_cases: int = 2) -> EmptyResult:
+    """Every sample of ``op`` cut to no element (``empty_variants``), in each dtype: as torch
+    runs it, under ``nanpass.harden``, and (float32, the cases torch breaks on, else the
+    first ``backend_cases`` of a guarded op) under ``nanpass.backend(inner="aot_eager")``.
+    A case torch refuses (it raises) is not a finding; one that harden or the backend breaks
+    where torch runs is."""
+    import nanpass
+
+    res = EmptyResult(op_id(op), op.name)
+    if op.name in SKIP:
+        return res
+    fn = _wrapped(op)
+    hardened = nanpass.harden(_Call(fn))
+    guarded = bool(rules_for(op)[0])
+    compiled = 0
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        if dtype not in op.supported_dtypes("cpu"):
+            continue
+        bwd = op.supports_autograd and dtype in op.supported_backward_dtypes("cpu")
+        try:  # samples whose input has a dim to cut (OpInfo lists 0-d inputs first)
+            every = [s for s in itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=bool(bwd)), 256)
+                     if isinstance(s.input, torch.Tensor) and s.input.ndim]
+        except Exception:  # noqa: BLE001 - no samples: nothing to cut
+            continue
+        # the first of each reduction a loss's samples name (OpInfo lists 'none' first), then
+        # the others in order
+        firsts = list({repr(s.kwargs.get("reduction")): s for s in reversed(every)}.values())[::-1]
+        picked = (firsts + [s for s in every if not any(s is f for f in firsts)])[:samples]
+        for sample in picked:
+            try:
+                cases = list(empty_variants(sample))
+            except Exception:  # noqa: BLE001 - a sample that cannot be cut (a sparse layout)
+                continue
+            for desc, (inp, args, kwargs) in cases:
+                call = f"{_call_str(op, *tree_flatten((inp, args, kwargs)), None)}, {desc}"
+                try:
+                    bad = _empty_check(fn, inp, args, kwargs)
+                except Exception:  # noqa: BLE001 - torch refuses zero-size operands here
+                    continue
+                res.probed += 1
+                if bad:
+                    res.found.setdefault("torch", f"{dname}: {call} -> {bad}")
+                runners = [("harden", hardened)]
+                if backend and dname == dtypes[0] and (bad or (guarded and compiled < backend_cases)):
+                    compiled += 1
+                    torch._dynamo.reset()
+                    runners.append(("backend", torch.compile(
+                        _Call(fn), backend=nanpass.backend(inner="aot_eager"))))
+                for runner, f in runners:
+                    try:
+                        worse = _empty_check(f, inp, args, kwargs)
+                    except Exception as e:  # noqa: BLE001 - torch ran it: an error is a finding
+                        worse = f"raised {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+                        if runner == "backend" and _plain_compile_raises(fn, inp, args, kwargs):
+                            worse = None  # torch's own: the plain op does not compile either
+                    if worse:
+                        res.found.setdefault(runner, f"{dname}: {call} -> {worse}")
+    return res
+
+
+def _plain_compile_raises(fn, inp, args, kwargs) -> bool:
+    """Whether ``torch.compile(backend="aot_eager")`` of the plain op raises on these operands
+    (linalg.vector_norm's meta function refuses an inf norm next to an empty dim)."""
+    torch._dynamo.reset()
+    try:
+        _empty_check(torch.compile(_Call(fn), backend="aot_eager"), inp, args, kwargs)
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def _breaks_in_dynamo(rules) -> bool:
+    """A rule that intercepts the op says dynamo graph-breaks on it (``Sample.dynamo``)."""
+    from nanpass._rules import BY_NAME
+
+    return any(BY_NAME[r].sample is not None and not BY_NAME[r].sample.dynamo for r in rules)
+
+
+def empty_accepted_reason(op, harden_finite: bool = True) -> str | None:
+    """Why ``op`` may stay non-finite on zero-size operands: ``EMPTY_ACCEPTED``, or (when
+    harden is finite there) the graph break of the rule that guards it."""
+    reason = EMPTY_ACCEPTED.get(op_id(op)) or EMPTY_ACCEPTED.get(op.name)
+    if reason is None and harden_finite and _breaks_in_dynamo(rules_for(op)[0]):
+        reason = _GRAPH_BREAK
+    return reason
+
+
+def classify_empty(op, res: EmptyResult) -> None:
+    if not res.found:
+        res.status = "finite"
+        return
+    rules = rules_for(op)[0]
+    if "harden" not in res.found and "backend" not in res.found:
+        res.status, res.detail = "guarded", ", ".join(rules) or "-"
+        return
+    reason = empty_accepted_reason(op, "harden" not in res.found)
+    if reason:
+        res.status, res.detail = "accepted", reason
+    else:
+        res.status = "UNGUARDED"
+        res.detail = "; ".join(f"{k}: {v}" for k, v in res.found.items() if k != "torch")
+
+
+def empty_census(ops, dtypes, samples=EMPTY_SAMPLES, backend=True, progress=None,
+                 isolate=True) -> list[EmptyResult]:
+    """Every op on zero-size operands; ``isolate``: each op in a forked child, so that one that
+    crashes the process (native_batch_norm divides by zero in C++ on an empty batch: SIGFPE)
+    is recorded and the census goes on."""
+    import pickle
+    import signal
+
+    import nanpass
+
+    results = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            nanpass.harden(_Call(torch.mean))(torch.zeros(0))  # imported once, not in each child
+            for i, op in enumerate(ops):
+                if not (isolate and hasattr(os, "fork")):
+                    r = empty_op(op, dtypes, samples, backend)
+                else:
+                    rfd, wfd = os.pipe()
+                    pid = os.fork()
+                    if pid == 0:
+                        os.close(rfd)
+                        try:
+                            with os.fdopen(wfd, "wb") as out:
+                                pickle.dump(empty_op(op, dtypes, samples, backend), out)
+                        finally:
+                            os._exit(0)
+                    os.close(wfd)
+                    with os.fdopen(rfd, "rb") as f:
+                        try:
+                            r = pickle.load(f)
+                        except EOFError:
+                            r = None
+                    _, status = os.waitpid(pid, 0)
+                    if r is None:
+                        why = (signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status)
+                               else f"exit status {os.WEXITSTATUS(status)}")
+                        r = EmptyResult(op_id(op), op.name, crashed=why)
+                classify_empty(op, r)
+                results.append(r)
+                if progress:
+                    progress(i, len(ops), r)
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def render_empty(results: list[EmptyResult], dtypes, seconds: float) -> str:
+    found = sorted((r for r in results if r.found), key=lambda r: ({"UNGUARDED": 0, "guarded": 1,
+                                                                    "accepted": 2}[r.status], r.id))
+    crashed = [r for r in results if r.crashed]
+
+    def runner(r, name):
+        if name in r.found:
+            return _md(r.found[name])
+        return "finite" if name != "backend" or "torch" not in r.found else "finite"
+
+    lines = [
+        EMPTY_SECTION,
+        "",
+        f"Generated by `{EMPTY_CMD}` (this section only) with torch {torch.__version__} (CPU), in "
+        f"{seconds / 60:.1f} min; `tests/test_census.py` re-runs a subset. A mean over an empty "
+        "selection (a masked loss with no valid element) is 0 / 0 = NaN, and OpInfo's samples are "
+        "never empty, so the census above cannot see it. Here every sample of every op (the first "
+        f"{EMPTY_SAMPLES} with an input of a dim or more, in {', '.join(dtypes)}) is cut to no element: each tensor sharing the input's leading "
+        "size cut to 0 there, the same for the last dim, and every dim of every tensor. Each case "
+        "runs as torch runs it, under `nanpass.harden`, and (float32: every case torch breaks "
+        "on, and the first two of each guarded op) under `nanpass.backend(inner=\"aot_eager\")`. "
+        "A value or gradient (against an all-ones upstream: a zero-size operand's gradient is "
+        "zero-size, a weight's must be finite) that is not finite is a finding; a case torch "
+        "refuses (it raises) is not. Status: **guarded** (finite under harden and the backend), "
+        "**accepted** (a reason in `EMPTY_ACCEPTED` in `benchmarks/census.py`), **UNGUARDED** "
+        "(neither: `tests/test_census.py` fails).",
+        "",
+        f"- Ops probed on zero-size operands: {sum(1 for r in results if r.probed)}; non-finite as "
+        f"torch runs them: **{sum('torch' in r.found for r in results)}**; guarded "
+        f"{sum(r.status == 'guarded' for r in results)}, accepted "
+        f"{sum(r.status == 'accepted' for r in results)}, UNGUARDED "
+        f"{sum(r.status == 'UNGUARDED' for r in results)}.",
+        "- Crashed the process on a zero-size operand (run in a forked child, the op is then "
+        "skipped; torch's kernel, out of reach of a guard that runs the op): " + (
+            ", ".join(f"`{r.id}` ({r.crashed})" for r in crashed) if crashed else "none") + ".",
+        "",
+    ]
+    if found:
+        lines += ["| op | as torch runs it | status |", "|---|---|---|"]
+        for r in found:
+            status = {"guarded": f"guarded: {r.detail} (finite under harden and the backend)",
+                      "accepted": f"accepted: {r.detail}",
+                      "UNGUARDED": f"UNGUARDED ({r.detail})"}[r.status]
+            ex = r.found.get("torch", "finite (" + "; ".join(f"{k}: {v}" for k, v in r.found.items()) + ")")
+            if r.status == "accepted":
+                ex += "; " + "; ".join(f"{k}: {v}" for k, v in r.found.items() if k != "torch")
+            lines.append(f"| `{r.id}` | {_md(ex)} | {_md(status)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_empty_section(path: str, text: str) -> None:
+    """Replace (or add, before the hand-written section) the zero-size section of census.md."""
+    with open(path) as f:
+        doc = f.read()
+    start = doc.find(EMPTY_SECTION)
+    if start >= 0:
+        end = doc.find("\n## ", start + len(EMPTY_SECTION))
+        end = len(doc) if end < 0 else end + 1
+        doc = doc[:start] + text + "\n" + doc[end:]
+    else:
+        at = doc.find("## Real bugs beyond the census")
+        at = len(doc) if at < 0 else at
+        doc = doc[:at] + text + "\n" + doc[at:]
+    with open(path, "w") as f:
+        f.write(doc)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", type=lambda s: [x for x in s.split(",") if x], default=None,
@@ -990,6 +1310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip re-running guarded ops hardened")
     ap.add_argument("--no-isolate", action="store_true",
                     help="probe in this process (a crashing op then ends the census)")
+    ap.add_argument("--empty", action="store_true",
+                    help="only the zero-size-operand census: write (or replace) its section of --out")
     ap.add_argument("-q", "--quiet", action="store_true")
     args = ap.parse_args(argv)
     for d in args.dtypes:
@@ -998,6 +1320,24 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # before the first parallel region: the census forks
     ops = load_ops(args.ops)
     t0 = time.perf_counter()
+    if args.empty:
+        dtypes = args.dtypes if args.dtypes != list(DTYPES) else ["float32", "float16"]
+
+        def progress_empty(i, n, r):
+            if not args.quiet:
+                mark = "" if not r.found else f"  {r.status}: {', '.join(r.found)}"
+                print(f"[{i + 1:3d}/{n}] {r.id:45s}{mark}", flush=True)
+
+        samples = args.samples if args.samples != 5 else EMPTY_SAMPLES
+        results = empty_census(ops, dtypes, samples, progress=progress_empty, isolate=not args.no_isolate)
+        text = render_empty(results, dtypes, time.perf_counter() - t0)
+        if args.out:
+            write_empty_section(args.out, text)
+        else:
+            print(text)
+        un = sorted(r.id for r in results if r.status == "UNGUARDED")
+        print(f"census --empty: {len(results)} ops; UNGUARDED {len(un)}" + (f": {', '.join(un)}" if un else ""))
+        return 0
 
     def progress(i, n, r):
         if args.quiet:

@@ -48,6 +48,7 @@ from ._compat import (
     view_base,
 )
 from ._constants import PowDomain, bounds, memo, pow_domain
+from ._rule import _has_empty
 
 Tensor = torch.Tensor
 
@@ -903,6 +904,113 @@ def logits_loss(fn, args, kwargs, consts, fence):
         if _all_finite_on_host(out):  # finite logits and loss: finite targets and gradients (an
             return out  # ignored row of inf logits makes a NaN gradient beside a finite loss)
     return finite(fn(fence(x), fence(finite(t)), *rest, **kw))
+
+
+# -- a mean over an empty selection ---------------------------------------------------------
+
+# the reductions to one value: a mean divides by a count of elements (or rows: 'batchmean');
+# a sum of none is 0, which multi_margin_loss's and multilabel_margin_loss's kernels do not
+# write (they return memory they never wrote)
+_REDUCED = ("mean", "batchmean", "sum")
+
+
+def _reduction(fn, args, kwargs) -> tuple[str | None, Callable | None]:
+    """The reduction a loss call asks for, however it is spelled (``reduction=``, by position,
+    or the deprecated ``size_average``/``reduce``, which override it), and a function that
+    gives the call's (args, kwargs) with another reduction. (None, None) where ``fn`` takes no
+    reduction. Read from the function's own code, which dynamo can trace."""
+    code = getattr(fn, "__code__", None)
+    names = () if code is None else code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    if "reduction" not in names:
+        return None, None
+
+    def given(name, default=None):
+        i = names.index(name) if name in names else None
+        if i is not None and i < code.co_argcount and i < len(args):
+            return args[i]
+        return kwargs.get(name, default)
+
+    reduction = given("reduction", "mean")
+    size_average, reduce = given("size_average"), given("reduce")
+    if size_average is not None or reduce is not None:  # as torch's legacy_get_string reads them
+        averaged = size_average is None or size_average
+        reduction = "none" if reduce is not None and not reduce else "mean" if averaged else "sum"
+
+    def to(other: str):
+        a, kw = list(args), dict(kwargs)
+        for name, value in (("reduction", other), ("size_average", None), ("reduce", None)):
+            if name not in names:
+                continue
+            i = names.index(name)
+            if i < code.co_argcount and i < len(a):
+                a[i] = value
+            elif name == "reduction" or name in kw:
+                kw[name] = value
+        return tuple(a), kw
+
+    return reduction, to
+
+
+def _reduced_over_none(fn, args, kwargs):
+    """A loss reduced to one value over no element (an empty operand): the same loss with
+    ``reduction='none'``, summed; None where the call is not reduced, or its elements are not
+    empty (an empty feature dim of a non-empty batch), or ``fn`` is a module (an fx capture
+    keeps ``nn.MSELoss`` whole: its reduction is its own)."""
+    reduction, to = _reduction(fn, args, kwargs)
+    if reduction not in _REDUCED:
+        return None
+    each_args, each_kwargs = to("none")
+    each = fn(*each_args, **each_kwargs)
+    if not isinstance(each, Tensor) or each.numel() != 0:
+        return None
+    _count(lambda: torch.ones((), dtype=torch.bool, device=each.device))
+    return each.sum()
+
+
+def _of_none(fn, args, kwargs):
+    """Any other call with an empty operand. Where every result is empty (group_norm of an
+    empty spatial dim, a loss with reduction='none') it has no value to guard, and the
+    gradient into each operand is a sum over no element: 0, or empty. It is computed so,
+    the op run without a graph (its backward averages no element: group_norm's kernel gives
+    its weight a NaN gradient, and aot_autograd's decomposition raises) and each result tied
+    to every operand by 0. Where a result has elements (a per-sample mean over an empty
+    feature dim), a NaN in it is read as 0."""
+    with torch.no_grad():
+        out = fn(*args, **kwargs)
+    results = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, Tensor)]
+    if any(o.numel() for o in results):
+        return finite_all(fn(*args, **kwargs))
+    ties = [a.sum() * 0 for a in (*args, *kwargs.values())
+            if isinstance(a, Tensor) and a.requires_grad and a.is_floating_point()]
+    if not ties:
+        return out
+    tie = sum(ties[1:], ties[0])
+    return _each(out, lambda o: o + tie.to(o.dtype) if isinstance(o, Tensor) and o.is_floating_point() else o)
+
+
+def mean_reduced(inner: Callable | None = None) -> Callable:
+    """A loss whose reduction is a mean ('mean', the default, and kl_div's 'batchmean') over
+    no element at all (a depth loss ``mse_loss(pred[valid], depth[valid])`` on a map with no
+    valid pixel, pytorch#50224) is 0 / 0 = NaN. There it is the same loss with
+    ``reduction='none'``, summed: 0, whose gradient into every operand is exact (an empty
+    operand's is empty, a weight's or a broadcast target's 0), with no division anywhere,
+    neither the kernel's nor that of aot_autograd's decomposition of its backward (mse_loss,
+    smooth_l1_loss and huber_loss there compute ``2.0 / numel`` in Python and raise
+    ZeroDivisionError at trace time). A 'sum' over no element is that same 0 (the kernels of
+    multi_margin_loss and multilabel_margin_loss return memory they never wrote). Any other
+    call with an empty operand is ``_of_none``'s. Whether an operand is empty is a shape,
+    known before the call: every call without one goes to ``inner`` (the op as written where
+    None), so a loss over a non-empty selection keeps the original's bits and gradient."""
+
+    def impl(fn, args, kwargs, consts, fence):
+        if _has_empty(args, kwargs):  # a dim of static size 0 (dynamo specialises 0 and 1)
+            out = None if isinstance(fn, torch.nn.Module) else _reduced_over_none(fn, args, kwargs)
+            return _of_none(fn, args, kwargs) if out is None else out
+        if inner is None:
+            return fn(*args, **kwargs)
+        return inner(fn, args, kwargs, consts, fence)
+
+    return impl
 
 
 def _check_key_padding_mask(mask: Tensor, src_len: int, bsz: int) -> None:

@@ -90,6 +90,9 @@ class Sample:
     # ops inside meet their own rules (nanpass.harden guards the call as one)
     inlined: tuple[str, ...] = ()
     breaks: tuple[str, ...] = ()  # spellings dynamo graph-breaks on, where the rule's others it captures
+    # spellings whose bad operands break the op only as aot_autograd decomposes it (the eager
+    # kernel is finite there): under torch.compile the unguarded op is not finite
+    compiled: tuple[str, ...] = ()
     # bad operands of the spellings that take other arguments (a rule that names a family:
     # torch.linalg.solve(A, B) next to torch.linalg.inv(A)); keyed by spelling name, in-place
     # and torch.Tensor.* forms folded into "Tensor.<method>"
@@ -150,12 +153,13 @@ class Rule:
 
     def spellings(self, removed: bool = False) -> Iterator[Spelling]:
         """``removed``: also the spellings the running torch keeps only as a stub that says the
-        op was removed (``torch.qr`` from 2.14): docs/guards.md lists what the table names."""
+        op was removed (``torch.qr`` from 2.14), or lacks (``F.linear_cross_entropy`` before
+        2.13; its target None): docs/guards.md lists what the table names."""
         functions = _derived_functions(self.name) if self.functions is None else self.functions
         methods = ((self.name,) if hasattr(Tensor, self.name) else ()) if self.methods is None else self.methods
         for name in functions:
             fn = _resolve(name, removed)
-            if fn is not None:
+            if fn is not None or removed and self.functions is not None:
                 yield Spelling("function", name, fn, fn)
         for name in self.operators:
             fn = _resolve(name)
@@ -252,6 +256,57 @@ def _nonempty_mean(args, kwargs):
     if all(isinstance(n, int) and n > 0 for n in sizes):
         return _NONEMPTY
     return None
+
+
+def _has_empty(args, kwargs) -> bool:
+    """A floating operand with a dim of (static) size 0; a symbolic size is not 0 (dynamo
+    specialises 0 and 1): nothing here makes dynamo guard on a size."""
+    for a in (*args, *kwargs.values()):
+        v = _value(a)
+        if v is not None and v.is_floating_point():
+            for n in v.shape:
+                if isinstance(n, int) and n == 0:
+                    return True
+    return False
+
+
+def _computes_in(args, dtypes: tuple[torch.dtype, ...], autocast_float32: bool) -> bool:
+    """Whether the call computes in one of ``dtypes``, as ``Rule.only_dtypes`` is read: an
+    operand of that dtype (one CUDA autocast computes in float32 for an op on its float32
+    list), or autocast to it."""
+    first = None
+    for a in args:
+        v = _value(a)
+        if v is None:
+            continue
+        if first is None:
+            first = v
+            if autocast_float32 and cuda_autocast(v):
+                return torch.float32 in dtypes
+        if v.dtype in dtypes:
+            return True
+    if first is None:
+        return False
+    device = "cuda" if first.is_cuda else "cpu"
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in dtypes
+
+
+def nonempty_operands(dtypes: tuple[torch.dtype, ...] = (), autocast_float32: bool = False) -> Callable:
+    """``safe_if`` of an op that may average no element (``_guards.mean_reduced``): a call
+    whose every operand has elements averages some, and is left as written, at the cost of a
+    look at the shapes. ``dtypes``: the op has a hazard of its own in these dtypes (float16:
+    an eps that rounds to 0), guarded in them whatever the shapes; ``Rule.only_dtypes`` cannot
+    say so, since a mean over nothing is NaN in every dtype."""
+
+    def safe_if(args, kwargs):
+        if _has_empty(args, kwargs):
+            return None
+        if dtypes and _computes_in(args, dtypes, autocast_float32):
+            return None
+        what = "" if not dtypes else " outside " + " and ".join(str(d)[6:] for d in dtypes)
+        return f"every operand has elements{what}: a mean over a non-empty selection"
+
+    return safe_if
 
 
 def cuda_autocast(x) -> bool:

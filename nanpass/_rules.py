@@ -19,6 +19,7 @@ from ._rule import (
     _nonempty_mean,
     _nonzero_divisor,
     _resolve,
+    nonempty_operands,
     operands,
     tensor,
 )
@@ -268,9 +269,12 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "mean", g.finite_result,
         reason="over an empty selection it is 0 / 0 = NaN (a masked loss with no valid element: "
-        "ZoeDepth's SILog loss on a depth map with no valid pixel)",
+        "ZoeDepth's SILog loss on a depth map with no valid pixel); so is a median of no element "
+        "(median scaling of a depth map with no valid pixel)",
         action="a NaN result becomes 0; a mean over a non-empty selection is left as written",
-        functions=("torch.mean",), methods=("mean",), inplace=False, safe_if=_nonempty_mean,
+        functions=("torch.mean", "torch.nanmean", "torch.median", "torch.nanmedian"),
+        methods=("mean", "nanmean", "median", "nanmedian"), inplace=False,
+        safe_if=_nonempty_mean,
         sample=Sample(operands(tensor()), operands(tensor(1.0, 2.0, 4.0))),
     ),
     Rule(
@@ -300,6 +304,47 @@ RULES: tuple[Rule, ...] = (
         functions=("F.nll_loss",), modules=("nn.NLLLoss",),
         sample=Sample(operands(_LOGITS, tensor(-100, -100, -100, dtype=torch.int64)),
                operands(_LOGITS, tensor(0, 3, 1, dtype=torch.int64)), ctor={"nn.NLLLoss": ()}),
+    ),
+    Rule(
+        "mse_loss", g.mean_reduced(),
+        reason="the default reduction, a mean, over an empty selection is 0 / 0 = NaN (a depth loss "
+        "mse_loss(pred[valid], depth[valid]) on a map with no valid pixel, pytorch#50224); "
+        "aot_autograd's decomposition of the backward of mse_loss, smooth_l1_loss and huber_loss "
+        "raises ZeroDivisionError there, and that of multi_margin_loss and multilabel_margin_loss "
+        "is NaN where the eager kernel is not",
+        action="a mean over no element is the loss with reduction='none', summed: 0 with exact zero "
+        "gradients, no division in the kernel or in a decomposition; a loss over a non-empty "
+        "selection is left as written",
+        functions=("F.mse_loss", "F.l1_loss", "F.smooth_l1_loss", "F.huber_loss", "F.margin_ranking_loss",
+                   "F.hinge_embedding_loss", "F.multilabel_soft_margin_loss", "F.multi_margin_loss",
+                   "F.multilabel_margin_loss", "F.linear_cross_entropy"),
+        modules=("nn.MSELoss", "nn.L1Loss", "nn.SmoothL1Loss", "nn.HuberLoss", "nn.MarginRankingLoss",
+                 "nn.HingeEmbeddingLoss", "nn.MultiLabelSoftMarginLoss", "nn.MultiMarginLoss",
+                 "nn.MultiLabelMarginLoss"),
+        safe_if=nonempty_operands(),
+        sample=Sample(operands(tensor(), tensor(grad=False)),
+                      operands(tensor(1.0, -2.0, 0.5), tensor(0.5, 0.0, 1.0, grad=False)),
+                      ctor=dict.fromkeys(("nn.MSELoss", "nn.L1Loss", "nn.SmoothL1Loss", "nn.HuberLoss",
+                                          "nn.MarginRankingLoss", "nn.HingeEmbeddingLoss",
+                                          "nn.MultiLabelSoftMarginLoss", "nn.MultiMarginLoss",
+                                          "nn.MultiLabelMarginLoss"), ()),
+                      spellings={
+                          **dict.fromkeys(("F.margin_ranking_loss", "nn.MarginRankingLoss"),
+                                          operands(tensor(), tensor(), tensor(grad=False))),
+                          **dict.fromkeys(("F.multilabel_soft_margin_loss", "nn.MultiLabelSoftMarginLoss"),
+                                          operands(tensor(shape=(0, 3)), tensor(shape=(0, 3), grad=False))),
+                          **dict.fromkeys(("F.multi_margin_loss", "nn.MultiMarginLoss"),
+                                          operands(tensor(shape=(0, 3)), tensor(dtype=torch.int64))),
+                          **dict.fromkeys(("F.multilabel_margin_loss", "nn.MultiLabelMarginLoss"),
+                                          operands(tensor(shape=(0, 3)), tensor(shape=(0, 3), dtype=torch.int64))),
+                          "F.linear_cross_entropy": operands(tensor(shape=(0, 3)), tensor(*[0.5] * 12, shape=(4, 3)),
+                                                             tensor(dtype=torch.int64)),
+                      },
+                      # the eager kernel gives 0 (multilabel_margin_loss: memory it never wrote);
+                      # aot_autograd's decomposition gives 0 / 0 = NaN
+                      compiled=("F.multi_margin_loss", "nn.MultiMarginLoss", "F.multilabel_margin_loss",
+                                "nn.MultiLabelMarginLoss"),
+                      inlined=("F.linear_cross_entropy",)),  # F.linear, then F.cross_entropy
     ),
     Rule(
         "kl_div", g.loss,
@@ -600,26 +645,30 @@ RULES: tuple[Rule, ...] = (
                       operands(tensor(0.25, 0.5), tensor(1.0, 0.0))),
     ),
     Rule(
-        "gaussian_nll_loss", g.finite_call,
+        "gaussian_nll_loss", g.mean_reduced(g.finite_call),
         reason="float16: 0.5 (log var + (x - mu)^2 / var) with its eps (1e-6) overflows, and its "
-        "gradients at a zero variance are inf/NaN",
-        action="the result saturated; non-finite gradients become 0",
+        "gradients at a zero variance are inf/NaN; in every dtype its default reduction, a mean, "
+        "over an empty selection is 0 / 0 = NaN",
+        action="float16: the result saturated, non-finite gradients become 0; in every dtype a mean "
+        "over no element is the loss with reduction='none', summed (0, zero gradients)",
+        safe_if=nonempty_operands((torch.float16,)),
         functions=("F.gaussian_nll_loss",),
         sample=Sample(operands(tensor(1.0, 1.0), tensor(0.0, 0.0), tensor(0.0, 1.0)),
                       operands(tensor(0.5, 1.0), tensor(0.0, 1.5), tensor(1.0, 2.0)), dtypes=(torch.float16,),
                       dynamo=False),  # torch.any(var < 0) in its body: a graph break
-        only_dtypes=(torch.float16,),
     ),
     Rule(
-        "cosine_embedding_loss", g.composite_call,
-        reason="float16: the cosine of a zero vector is 0/0 (its eps is 0 there)",
-        action="a NaN result becomes 0; non-finite gradients become 0",
+        "cosine_embedding_loss", g.mean_reduced(g.composite_call),
+        reason="float16: the cosine of a zero vector is 0/0 (its eps is 0 there); in every dtype its "
+        "default reduction, a mean, over an empty selection is 0 / 0 = NaN",
+        action="float16: a NaN result becomes 0, non-finite gradients become 0; in every dtype a mean "
+        "over no element is the loss with reduction='none', summed (0, zero gradients)",
+        safe_if=nonempty_operands((torch.float16,), autocast_float32=True),
         functions=("F.cosine_embedding_loss",),
         sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2)), tensor(0.0, 0.0, shape=(1, 2)),
                                tensor(1.0, grad=False)),
                       operands(tensor(1.0, 2.0, shape=(1, 2)), tensor(2.0, 1.0, shape=(1, 2)),
                                tensor(1.0, grad=False)), dtypes=(torch.float16,)),
-        only_dtypes=(torch.float16,), autocast_float32=True,
     ),
     Rule(
         "pairwise_distance", g.finite_call,
@@ -685,15 +734,18 @@ RULES: tuple[Rule, ...] = (
                               tensor(-1.0, 1.0, grad=False), False, 0.1, 1e-5))}),
     ),
     Rule(
-        "group_norm", g.finite_call,
-        reason="float16: at zero variance the gradient overflows (1/sqrt(eps) cubed) to inf/NaN",
-        action="float16 only: the result saturated; non-finite gradients become 0",
+        "group_norm", g.mean_reduced(g.finite_call),
+        reason="float16: at zero variance the gradient overflows (1/sqrt(eps) cubed) to inf/NaN; in "
+        "every dtype, over an empty spatial dim each group's statistics average no element and "
+        "its kernel gives the weight a NaN gradient",
+        action="float16: the result saturated, non-finite gradients become 0; in every dtype an empty "
+        "input's (empty) result has zero gradients into the weight and bias",
+        safe_if=nonempty_operands((torch.float16,), autocast_float32=True),
         functions=("F.group_norm", "torch.group_norm", "torch.native_group_norm"),
         sample=Sample(operands(tensor(0.0, 0.0, 0.0, 0.0, shape=(1, 4)), 1),
                       operands(tensor(1.0, 2.0, 0.0, -1.0, shape=(1, 4)), 1), dtypes=(torch.float16,),
                       spellings={"torch.native_group_norm": operands(  # (x, weight, bias, N, C, HxW, groups, eps)
                           tensor(0.0, 0.0, 0.0, 0.0, shape=(1, 4)), None, None, 1, 4, 1, 1, 1e-5)}),
-        only_dtypes=(torch.float16,), autocast_float32=True,
     ),
     Rule(
         "instance_norm", g.finite_call,

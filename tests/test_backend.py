@@ -248,3 +248,35 @@ def test_reduce_overhead_through_the_backend_under_real_inductor():
     out = torch.compile(m, backend="nanpass", mode="reduce-overhead")(*_inputs(bad=True))
     assert bool(torch.isfinite(out))
     assert not bool(torch.isfinite(m(*_inputs(bad=True))))  # the plain model's NaN
+
+
+def test_a_mean_loss_over_no_element_compiles_and_is_zero():
+    """Issue 39, item 1: aot_autograd decomposes mse_loss's backward (as smooth_l1_loss's and
+    huber_loss's) with ``2.0 / input.numel()`` in Python, so compiling a plain model whose loss
+    averages no element raises ZeroDivisionError at trace time. The backend guards the call
+    before aot_autograd sees it (the loss with reduction='none', summed): it compiles, and the
+    loss is 0 with zero gradients."""
+    import torch.nn.functional as F
+
+    class Depth(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 1)
+
+        def forward(self, x, target):
+            return F.mse_loss(self.fc(x).squeeze(-1), target)
+
+    model = Depth()
+    x, target = torch.zeros(0, 3), torch.zeros(0)
+    try:
+        torch.compile(model, backend="aot_eager")(x, target).backward()
+    except Exception as e:  # noqa: BLE001 - torch's own, where it still decomposes so
+        assert "division by zero" in str(e), e
+    torch._dynamo.reset()
+    model.zero_grad()
+    be = nanpass.backend(inner="aot_eager")
+    loss = torch.compile(model, backend=be)(x, target)
+    loss.backward()
+    assert loss.item() == 0.0 and not torch.signbit(loss)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    assert [c.op for c in be.changes if c.action == "guarded"] == ["mse_loss"]

@@ -137,10 +137,19 @@ def test_accepted_names_real_ops():
     assert all(reason.strip() for reason in census.ACCEPTED.values())
 
 
-def _census_rows() -> dict[str, str]:
-    """op id -> status cell of docs/census.md's tables."""
+def _census_rows(section: str | None = None) -> dict[str, str]:
+    """op id -> status cell of docs/census.md's tables: the census's own, or those of the
+    ``section`` that starts with that heading (up to the next)."""
     rows = {}
-    for line in CENSUS_MD.read_text().splitlines():
+    text = CENSUS_MD.read_text()
+    start = text.find(census.EMPTY_SECTION)
+    if section is None:
+        text = text if start < 0 else text[:start]
+    else:
+        text = text[text.index(section):]
+        end = text.find("\n## ", len(section))
+        text = text if end < 0 else text[:end]
+    for line in text.splitlines():
         if line.startswith("| `"):
             ident = line.split("`")[1]
             rows[ident] = line.rstrip().removesuffix("|").rsplit(" | ", 1)[1].strip()
@@ -192,3 +201,65 @@ def test_census_md_agrees_with_the_lists():
             assert census.rules_for(op)[0], (
                 f"docs/census.md calls {ident} guarded, the rule table does not: regenerate it"
             )
+
+
+# -- zero-size operands (issue 39, item 1) -----------------------------------------------------
+
+# ops whose samples cut to no element torch computes as NaN (a mean over none), guarded ones,
+# one accepted under the backend, and a finite one
+EMPTY_SUBSET = ("mean", "nanmean", "var", "logsumexp", "nn.functional.mse_loss", "nn.functional.huber_loss",
+                "nn.functional.cross_entropy", "nn.functional.gaussian_nll_loss",
+                "nn.functional.cosine_embedding_loss", "nn.functional.margin_ranking_loss", "sigmoid")
+
+
+@pytest.fixture(scope="module")
+def empty_results():
+    return {r.id: r for r in census.empty_census(census.load_ops(EMPTY_SUBSET), ["float32", "float16"])}
+
+
+@pytest.mark.slow  # a compile per guarded case: about a minute
+def test_zero_size_operands_are_finite_under_harden_and_the_backend(empty_results):
+    """Every sample of the subset cut to no element (a masked loss with no valid pixel):
+    finite values and gradients under harden and the backend, or accepted with a reason."""
+    assert set(EMPTY_SUBSET) <= set(empty_results), set(EMPTY_SUBSET) - set(empty_results)
+    broken = {r.id: r.detail for r in empty_results.values() if r.status == "UNGUARDED"}
+    assert not broken, f"non-finite on zero-size operands under nanpass: {broken}"
+    nan_in_torch = {r.id for r in empty_results.values() if "torch" in r.found}
+    assert {"mean", "nanmean", "nn.functional.mse_loss", "nn.functional.huber_loss"} <= nan_in_torch
+    statuses = {r.id: r.status for r in empty_results.values()}
+    assert statuses["sigmoid"] == "finite" and statuses["nn.functional.gaussian_nll_loss"] == "accepted"
+
+
+@pytest.mark.slow
+def test_a_zero_size_finding_without_a_rule_is_unguarded(empty_results, monkeypatch):
+    """The teeth: with the finding left non-finite under harden, the classification says so."""
+    r = copy.deepcopy(empty_results["nn.functional.mse_loss"])
+    r.found["harden"] = r.found["torch"]
+    census.classify_empty(census.load_ops(["nn.functional.mse_loss"])[0], r)
+    assert r.status == "UNGUARDED", r.status
+
+
+def test_census_md_zero_size_section_agrees_with_the_lists():
+    assert census.EMPTY_SECTION in CENSUS_MD.read_text(), f"run: {census.EMPTY_CMD}"
+    rows = _census_rows(census.EMPTY_SECTION)
+    assert rows, "docs/census.md's zero-size section has no op table"
+    assert not [i for i, st in rows.items() if st.startswith("UNGUARDED")], rows
+    for name in ("mean", "nanmean", "nn.functional.mse_loss", "nn.functional.l1_loss",
+                 "nn.functional.smooth_l1_loss", "nn.functional.huber_loss",
+                 "nn.functional.margin_ranking_loss", "nn.functional.hinge_embedding_loss",
+                 "nn.functional.cosine_embedding_loss", "nn.functional.gaussian_nll_loss"):
+        assert name in rows, f"docs/census.md's zero-size section does not list {name}: regenerate it"
+    ops = {census.op_id(op): op for op in census.load_ops()}
+    for ident, status in rows.items():
+        op = ops.get(ident)
+        if op is None and (_removed_from_torch(ident) or _older_opinfo()):
+            continue
+        assert op is not None, f"docs/census.md lists {ident!r}, which is not an OpInfo op"
+        if status.startswith("accepted: "):
+            reason = census.empty_accepted_reason(op)
+            assert reason is not None and status == census._md(f"accepted: {reason}"), (
+                f"docs/census.md accepts {ident} on zero-size operands with a reason EMPTY_ACCEPTED "
+                f"no longer gives: {census.EMPTY_CMD}")
+        else:
+            assert status.startswith("guarded: ") and census.rules_for(op)[0], (
+                f"docs/census.md calls {ident} guarded on zero-size operands, the rule table does not")

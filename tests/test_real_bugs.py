@@ -51,6 +51,9 @@ TABLE: list[tuple[str, str, str, str]] = [
      "loss: log + kl_div", "KLDivLoss(predict.log(), smoothed target) with predict == 0"),
     ("kl_metric_zero_prob", "https://github.com/Lightning-AI/torchmetrics/issues/1029",
      "loss: p*log(p/q)", "KL divergence with zero target probabilities (0 * log 0)"),
+    ("depth_mse_no_valid_pixel", "https://github.com/pytorch/pytorch/issues/50224",
+     "loss: mse_loss (mean)", "mse_loss(pred[valid], depth[valid]) on a depth map with no valid pixel: "
+     "the mean over zero elements"),
     ("ctc_input_shorter_than_target", "https://github.com/ypwhs/captcha_break/issues/29",
      "loss: ctc_loss", "CTC loss with input length 3 < target length 4"),
     ("focal_loss_log_zero",
@@ -418,6 +421,14 @@ def _dice(m, logits, target):
     p = torch.sigmoid(logits + m.b)
     inter = (p * target).sum()
     return 1 - 2 * inter / (p.sum() + target.sum())
+
+
+def _depth_loss(m, image, depth):
+    """A depth loss over the pixels with ground truth (pytorch#50224: a loss called on empty
+    inputs with reduction="mean" is NaN): no valid pixel leaves both selections empty."""
+    pred = m.conv(image).squeeze(1)
+    valid = depth > 0
+    return F.mse_loss(pred[valid], depth[valid])
 
 
 def _si_sdr(m, est, target, eps=1e-8):
@@ -1265,6 +1276,11 @@ def _f(*shape, scale=1.0, seed=0, dtype=torch.float32):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
+def _conv(i, o, seed=0):
+    torch.manual_seed(seed)
+    return nn.Conv2d(i, o, 3, padding=1)
+
+
 def _lin(i, o, seed=0):
     torch.manual_seed(seed)
     return nn.Linear(i, o)
@@ -1389,6 +1405,10 @@ CASES: dict[str, Case] = {
         lambda: Fn(_dice, params={"b": torch.zeros(1)}),
         lambda: (leaf(torch.full((1, 8, 8), -200.0)), torch.zeros(1, 8, 8)),
         lambda: (leaf(_f(1, 8, 8)), (_f(1, 8, 8, seed=1) > 0).float())),
+    "depth_mse_no_valid_pixel": Case(
+        lambda: Fn(_depth_loss, mods={"conv": _conv(3, 1)}),
+        lambda: (leaf(_f(2, 3, 4, 4)), torch.zeros(2, 4, 4)),
+        lambda: (leaf(_f(2, 3, 4, 4)), _f(2, 4, 4, seed=1).clamp(min=0))),
     "si_sdr_silent_target": Case(
         lambda: Fn(_si_sdr, params={"gain": torch.ones(())}),
         lambda: (leaf(_f(2, 256)), torch.zeros(2, 256)),
