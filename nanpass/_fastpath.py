@@ -284,6 +284,18 @@ def _ours(module_name: str | None) -> bool:
     return bool(module_name) and (module_name == "torch" or module_name.startswith(("torch.", "nanpass.")))
 
 
+# bumped whenever a module anywhere gets a submodule (``model.block = Other()``): a hardened
+# model then looks at its module classes again before its next call, and scans the new code
+EPOCH = [0]
+
+
+def _registered(module, name, submodule) -> None:
+    EPOCH[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_registered)
+
+
 def scan(model: torch.nn.Module, learned: set = frozenset()) -> tuple[tuple, str | None]:
     """What a call of the model swaps: each name its code (its classes' methods, the
     functions and classes they reach through their globals and the modules those name, their

@@ -124,6 +124,7 @@ class Sites:
         self._swaps: tuple | None = None
         self._learned: set = set()  # names the survey found the code to look up
         self._kinds: tuple = ()  # the module classes the last scan read
+        self._epoch = -1  # _fastpath.EPOCH at the last look
         self.verify = False  # survey the next call (a name was learned)
 
     def missed(self, sp: Spelling, func) -> None:
@@ -169,9 +170,12 @@ class Sites:
             self.fast = ("Python 3.13+ stops caching a class's attributes after 1,000 changes, and the "
                          "swap changes Tensor's on each call")
             return None
-        if rescan and self._swaps is not None:  # a module swapped in since: its code scanned
+        epoch = _fastpath.EPOCH[0]
+        if (rescan or epoch != self._epoch) and self._swaps is not None:
+            # a module registered since (maybe swapped in here): a new class's code is scanned
             kinds = tuple(map(type, self.model.modules()))
             rescan, self._kinds = kinds != self._kinds, kinds
+        self._epoch = epoch
         if self._swaps is None or rescan:
             self._kinds = tuple(map(type, self.model.modules()))
             swaps, why = _fastpath.scan(self.model, self._learned)
