@@ -33,7 +33,7 @@ from ._check import Site
 from ._compat import ATEN_OPS
 from ._config import Config
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
-from ._rule import cuda_autocast
+from ._rule import computes_in
 from ._rules import CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
 from ._watch import Watch, leaves
@@ -69,22 +69,9 @@ def _fresh_guard(rule: Rule, sp: Spelling, config: Config, impl: Callable | None
 
 
 def _in_dtypes(rule: Rule, args) -> bool:
-    """Whether the call computes in one of ``rule.only_dtypes``."""
-    dtypes = rule.only_dtypes
-    first = None
-    for a in args:  # runs on every call of such a rule: a loop, no generator
-        if isinstance(a, Tensor):
-            if first is None:
-                first = a
-                if rule.autocast_float32 and cuda_autocast(a):
-                    return torch.float32 in dtypes
-            if a.dtype in dtypes:
-                return True
-    if first is None:
-        return False
-    # under autocast a float32 product is computed (and can overflow) in low precision
-    device = "cuda" if first.is_cuda else "cpu"
-    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in dtypes
+    """Whether the call computes in one of ``rule.only_dtypes`` (under autocast a float32
+    product is computed, and can overflow, in low precision)."""
+    return computes_in(args, rule.only_dtypes, rule.autocast_float32)
 
 
 class Sites:

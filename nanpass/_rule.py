@@ -270,7 +270,7 @@ def _has_empty(args, kwargs) -> bool:
     return False
 
 
-def _computes_in(args, dtypes: tuple[torch.dtype, ...], autocast_float32: bool) -> bool:
+def computes_in(args, dtypes: tuple[torch.dtype, ...], autocast_float32: bool) -> bool:
     """Whether the call computes in one of ``dtypes``, as ``Rule.only_dtypes`` is read: an
     operand of that dtype (one CUDA autocast computes in float32 for an op on its float32
     list), or autocast to it."""
@@ -301,7 +301,7 @@ def nonempty_operands(dtypes: tuple[torch.dtype, ...] = (), autocast_float32: bo
     def safe_if(args, kwargs):
         if _has_empty(args, kwargs):
             return None
-        if dtypes and _computes_in(args, dtypes, autocast_float32):
+        if dtypes and computes_in(args, dtypes, autocast_float32):
             return None
         what = "" if not dtypes else " outside " + " and ".join(str(d)[6:] for d in dtypes)
         return f"every operand has elements{what}: a mean over a non-empty selection"
