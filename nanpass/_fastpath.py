@@ -44,7 +44,7 @@ def _namespaces() -> tuple:
 def _key(obj):
     try:
         return obj if obj in CALLS else None
-    except TypeError:  # an unhashable attribute
+    except Exception:  # noqa: BLE001 - an unhashable attribute, or one whose __hash__ raises
         return None
 
 
