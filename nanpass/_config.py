@@ -69,9 +69,8 @@ class Config:
     # once after the forward and once after the backward
     stop_at_op: bool = False
     # harden's guard mode: swap the table's spellings where they are looked up, so that other
-    # calls never enter Python (_fastpath); False: a TorchFunctionMode sees every call; None:
-    # the swap unless the model makes fewer torch calls than it has names to swap
-    fast: bool | None = None
+    # calls never enter Python (_fastpath); False: a TorchFunctionMode sees every call
+    fast: bool = True
 
     def excluded(self, module_path: str) -> bool:
         return any(module_path == p or module_path.startswith(p + ".") for p in self.exclude)
@@ -168,7 +167,7 @@ def make_config(
     module_paths: Iterable[str] | None = None,
     selfcheck: bool | None = None,
     stop_at_op: bool = False,
-    fast: bool | None = None,
+    fast: bool = True,
 ) -> Config:
     if not isinstance(mode, str) or mode not in MODES:
         raise ConfigError(f"nanpass: unknown mode {mode!r}; valid modes: {_choices(MODES)}")
@@ -178,9 +177,7 @@ def make_config(
     count, quarantine = _flag("count", count), _flag("quarantine", quarantine)
     if selfcheck is not None:
         selfcheck = _flag("selfcheck", selfcheck)
-    stop_at_op = _flag("stop_at_op", stop_at_op)
-    if fast is not None:
-        fast = _flag("fast", fast)
+    stop_at_op, fast = _flag("stop_at_op", stop_at_op), _flag("fast", fast)
     if watch is not None and (isinstance(watch, bool) or not isinstance(watch, int) or watch < 1):
         raise ConfigError(f"nanpass: watch is how many calls apart guards are sampled, a positive "
                           f"int (default 100), or None to turn the watch off; got {watch!r}")

@@ -83,7 +83,6 @@ def _stand_in(orig):
         sites = getattr(_local, "sites", None)
         if sites is None:
             return orig(*args, **kwargs)
-        sites.named += 1  # (what a mode would have handled: Sites.weigh)
         _local.sites = None  # the guard's own calls (a composite's too) run as written
         try:
             if only and not admit(rule, args):  # not unsafe in this dtype: as the mode leaves it

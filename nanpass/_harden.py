@@ -333,7 +333,7 @@ def harden(
     watch: int | None = 100,
     selfcheck: bool | None = None,
     stop_at_op: bool = False,
-    fast: bool | None = None,
+    fast: bool = True,
 ) -> Hardened:
     """Return ``model`` with every numerically unsafe op guarded, forward and backward.
 
@@ -370,9 +370,8 @@ def harden(
 
     Guard mode swaps the table's spellings where they are looked up (``torch.log``,
     ``Tensor.__truediv__``, the names your code bound) while the call runs, so every other call
-    costs nothing; ``fast=False`` runs it under a ``TorchFunctionMode`` that sees every call,
-    and the default (None) does so where the model makes fewer torch calls than it has names
-    to swap (a small MLP: the mode costs less); ``safe.interception`` says which runs, and why.
+    costs nothing; ``fast=False`` runs it under a ``TorchFunctionMode`` that sees every call
+    (``safe.interception`` says which runs, and why).
 
     ``selfcheck``: on a torch outside the tested releases the first use runs the rule table's
     own bad operands through the guards and refuses any guard that is not finite there (about a

@@ -107,13 +107,12 @@ class Sites:
         # guard mode's fast path (_fastpath): the names the model's code binds to the table's
         # spellings, looked at on the first call and each sampled one (a module swapped in);
         # `fast` says why the mode runs instead, where it does
-        self.fast: str | None = None if config.fast is not False else "fast=False"
+        self.fast: str | None = None if config.fast else "fast=False"
         self._swaps: tuple | None = None
         self._learned: set = set()  # names the survey found the code to look up
         self._kinds: tuple = ()  # the module classes the last scan read
         self._epoch = -1  # _fastpath.EPOCH at the last look
         self.verify = False  # survey the next call (a name was learned)
-        self.named = 0  # calls the stand-ins took
 
     def missed(self, sp: Spelling, func) -> None:
         """A call the fast path's swap did not reach: the mode from now on, and said where
@@ -143,12 +142,6 @@ class Sites:
                 f"this model runs under a TorchFunctionMode from now on (harden(..., fast=False) "
                 f"starts so)", GuardWarning, stacklevel=4)
 
-    def weigh(self, calls: int, swaps: tuple) -> None:
-        """After the first call: where the model makes fewer torch calls than it has names to
-        swap, the mode costs less (a mode's handler and a name's swap cost about the same)."""
-        if self.config.fast is None and self.fast is None and calls < len(swaps):
-            self.fast = f"the mode costs less here: {calls} torch calls a call, {len(swaps)} names to swap"
-
     def _learned_before(self, homes) -> bool:
         """Whether the calls before were surveyed for this callable (it was learned from the
         survey of the call before: none of them ran it unguarded)."""
@@ -156,7 +149,7 @@ class Sites:
 
     def fast_swaps(self, rescan: bool) -> tuple | None:
         """What a call on the fast path swaps, or None: run under the mode."""
-        if self.config.fast is False or self.model is None or _compat.functorch_active():
+        if not self.config.fast or self.model is None or _compat.functorch_active():
             return None
         if self.fast is not None:
             return None
@@ -544,13 +537,11 @@ class Survey(TorchFunctionMode):
     def __init__(self, sites: Sites):
         super().__init__()
         self.sites = sites
-        self.calls = 0  # what a mode would have handled
 
     @_compat.eager_handler
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _fastpath.active():  # outside every stand-in and guard
-            self.calls += 1
             hit = _hit(func)
             if hit is not None and (not hit[0].only_dtypes or hit[2] or _in_dtypes(hit[0], args)):
                 self.sites.missed(hit[1], getattr(func, "__wrapped__", func))
@@ -610,11 +601,8 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
             try:
                 surveyed, sites.verify = sites.calls == 1 or sample or sites.verify, False
                 if surveyed:  # the survey: a call the swap missed is found
-                    named = sites.named
-                    with Survey(sites) as survey:
+                    with Survey(sites):
                         out = fn(*args, **kwargs)
-                    if sites.calls == 1:
-                        sites.weigh(survey.calls + sites.named - named, swaps)
                 else:
                     out = fn(*args, **kwargs)
             finally:
