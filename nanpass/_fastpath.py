@@ -13,8 +13,9 @@ says why (``Sites.fast``). What it still cannot see is in the architecture doc, 
 
 The swap is process-wide while any thread runs a hardened call (counted), and each swapped
 function reads a thread-local: another thread's calls, and calls made inside a guard, run as
-written. On CPython 3.13 and later (``TAG_LIMITED``) the swap is not made: the mode runs. Under dynamo the hardened call runs under the mode (traced into the graph), never
-through this path.
+written. On CPython 3.13 and later (``TAG_LIMITED``) the swap is not made: the mode runs.
+Under dynamo the hardened call runs under the mode (traced into the graph), never through
+this path.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from ._rules import CALLS
 Tensor = torch.Tensor
 _local = threading.local()
 _lock = threading.Lock()
-_users = 0
 
 
 def _namespaces() -> tuple:
@@ -211,21 +211,6 @@ def _needed(names: set) -> list[_Swap]:
     return [s for s in _base() if s.name in names]
 
 
-class Binding:
-    """A name the model's code bound to a table spelling before harden (``from torch import
-    log``): swapped with the namespaces."""
-
-    __slots__ = ("where", "name", "orig", "found")
-
-    def __init__(self, where, name, orig, found: str):
-        self.where, self.name, self.orig, self.found = where, name, orig, found
-
-
-def swaps_of(bindings, names: set) -> tuple[_Swap, ...]:
-    """What a call swaps: the namespaces' names the code uses, and its own bindings."""
-    return (*_needed(names), *(_Swap(b.where, b.name, b.orig) for b in bindings))
-
-
 def enter(sites, swaps: tuple):
     """Start a hardened call on this thread: what ``leave`` restores, or ``MISSED`` where a
     name could not be swapped (nothing is changed then)."""
@@ -361,7 +346,7 @@ def scan(model: torch.nn.Module, learned: set = frozenset()) -> tuple[tuple, str
                             if isinstance(a, (types.FunctionType, type)))
                 continue
             if _key(v) is not None:
-                found.setdefault((id(g), name), Binding(g, name, v, f"{name} in {where}"))
+                found.setdefault((id(g), name), _Swap(g, name, v))  # from torch import log
             elif _compat.compiled_function(v):
                 return (), (f"{name} ({where}) is torch.compile'd: dynamo may first build its tables "
                             f"of torch's callables while the names are swapped")
@@ -376,10 +361,10 @@ def scan(model: torch.nn.Module, learned: set = frozenset()) -> tuple[tuple, str
             except ValueError:  # an empty cell
                 continue
             if _key(v) is not None:
-                found.setdefault((id(cell), ""), Binding(cell, "", v, f"a closure of {where}"))
+                found.setdefault((id(cell), ""), _Swap(cell, "", v))
             elif isinstance(v, (types.FunctionType, type)):
                 todo.append(v)
-    return swaps_of(found.values(), used), None
+    return (*_needed(used), *found.values()), None
 
 
 def _names(code) -> set:

@@ -462,7 +462,7 @@ _HIT_INDEX: dict = {fn: i for i, fn in enumerate(CALLS, 1)}
 def _hit_index(func) -> int:
     try:
         i = _HIT_INDEX.get(func, 0)
-        if not i and func in _fastpath.STAND_IN_HITS:  # Tensor's stand-ins stay swapped in
+        if not i and func in _fastpath.STAND_IN_HITS:  # traced while a call had the names swapped
             i = _HIT_INDEX.get(func.__wrapped__, 0)
         return i
     except TypeError:  # an unhashable callable
