@@ -255,8 +255,12 @@ def bench_compiled(model, batch, repeats, shapes=False):
     # compiled check mode: names the op where a NaN/Inf is born, forward and backward
     chk = torch.compile(model, backend=nanpass.backend(mode="check"))
     train_step(chk, batch)()
+    # and torch.compile(nanpass.harden(model, mode="check")): a scalar per new value, read once
+    hchk = torch.compile(nanpass.harden(model, mode="check"), backend="inductor")
+    train_step(hchk, batch)()
     fns = {"inductor": train_step(ind, batch), "nanpass": train_step(npb, batch),
-           "harden": train_step(hard, batch), "check": train_step(chk, batch)}
+           "harden": train_step(hard, batch), "check": train_step(chk, batch),
+           "harden_check": train_step(hchk, batch)}
     if shapes:  # shape asserts: checked when a graph compiles, so nothing per call
         sh = torch.compile(model, backend=nanpass.backend(shape_checks=True))
         train_step(sh, batch)()
@@ -266,6 +270,8 @@ def bench_compiled(model, batch, repeats, shapes=False):
            "ratio": t.ratio("nanpass", "inductor"), "compiled_harden_ms": t["harden"] * 1e3,
            "compiled_harden_ratio": t.ratio("harden", "inductor"),
            "compiled_check_ms": t["check"] * 1e3, "compiled_check_ratio": t.ratio("check", "inductor"),
+           "compiled_harden_check_ms": t["harden_check"] * 1e3,
+           "compiled_harden_check_ratio": t.ratio("harden_check", "inductor"),
            "compile_s_inductor": t_ind,
            "compile_s_nanpass": t_np, "compile_ratio": t_np / t_ind}
     if shapes:
@@ -427,6 +433,8 @@ def main():
               f"{x['compiled_harden_ratio']:7.3f}  vs inductor")
         print(f"{name:26} {'compiled check':16} {x['inductor_ms']:10.2f} {x['compiled_check_ms']:11.2f} "
               f"{x['compiled_check_ratio']:7.3f}  vs inductor (mode='check')")
+        print(f"{name:26} {'compile(check)':16} {x['inductor_ms']:10.2f} {x['compiled_harden_check_ms']:11.2f} "
+              f"{x['compiled_harden_check_ratio']:7.3f}  vs inductor (compile(harden(m, mode='check')))")
     for row in results["first_call"]:
         print(f"first call, GPT-2 {row['layers']:2d} layers: plain {row['plain_s'] * 1e3:.0f} ms, "
               f"harden() + first call {row['nanpass_s'] * 1e3:.0f} ms, dynamo (eager backend) "

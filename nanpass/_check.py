@@ -315,6 +315,60 @@ tap.__module__ = "nanpass"
 _PENDING = 8  # forwards whose backward check may still be waiting (pipelined micro-batches)
 
 
+def gradients_finite(grads) -> bool:
+    """One fused check (one read) of a backward's gradients."""
+    grads = [g for g in grads if g is not None and g.is_floating_point() and g.numel()]
+    if not grads:
+        return True
+    return bool(torch.isfinite(torch.stack([n.float() for n in foreach_norm(grads)]).sum()))
+
+
+def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque) -> None:
+    """Once the backward from ``outs`` has given every gradient of ``inputs`` (the graph's
+    inputs that need one: the parameters among them), one fused check of those gradients;
+    only when one is not finite, ``on_hit(grads, upstream)`` with the gradients each output
+    received (by its index among the outputs that require one), to run the step again.
+    A multi-grad hook on leaves lives until removed: each is removed when it fires, and at
+    most ``_PENDING`` wait for a backward (forwards with grad and no backward)."""
+    watched = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
+    if not inputs or not watched:
+        return
+
+    def verdict(grads, upstream):
+        if not gradients_finite(grads):  # the one read
+            on_hit(grads, upstream)
+
+    nodes = {o.grad_fn for o in watched}
+    if len(nodes) == 1 and None not in nodes:
+        # a compiled graph's one backward node: one post hook sees the gradient of every
+        # input it gives and every output's it received (a hook per input cost 4 ms of a
+        # 72 ms GPT-2 step)
+        slots = [o.output_nr for o in watched]
+        fired = []
+
+        def after_node(grad_inputs, grad_outputs):
+            if fired:  # once (it is not removed while autograd runs the node's hooks)
+                return
+            fired.append(True)
+            verdict(grad_inputs, {k: grad_outputs[nr] for k, nr in enumerate(slots)
+                                  if nr < len(grad_outputs) and grad_outputs[nr] is not None})
+
+        handle = next(iter(nodes)).register_hook(after_node)
+    else:  # outputs from several nodes (a view of an input among them)
+        upstream: dict[int, Tensor] = {}
+        for k, o in enumerate(watched):
+            o.register_hook(lambda g, k=k: upstream.__setitem__(k, g))
+
+        def after(grads):
+            handle.remove()
+            verdict(grads, upstream)
+
+        handle = torch.autograd.graph.register_multi_grad_hook(inputs, after)
+    pending.append(handle)
+    while len(pending) > _PENDING:
+        pending.popleft().remove()
+
+
 def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device | None = None):
     """Wrap a compiled graph whose last output says whether any of its floating outputs is
     non-finite: one fused check and one sync per call. Only when it fires is the graph re-run
@@ -346,14 +400,8 @@ def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device |
         for event in found:
             _report(event, warn)
 
-    def verdict(grads, upstream: dict, args) -> None:
-        """One fused check of the graph's input gradients; on a hit, the eager replay."""
-        grads = [g for g in grads if g is not None and g.is_floating_point()]
-        if not grads:
-            return
-        norms = foreach_norm(grads)
-        if bool(torch.isfinite(torch.stack([n.float() for n in norms]).sum())):  # one sync
-            return
+    def replay(grads, upstream: dict, args) -> None:
+        """On a hit: the graph again, node by node, with the same upstream gradients."""
         replay = [a.detach().requires_grad_() if isinstance(a, Tensor) and a.requires_grad else a
                   for a in args]
         with torch.enable_grad():
@@ -362,47 +410,13 @@ def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device |
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
-    def watch_backward(args, outs, tapped):
-        inputs = [a for a in (*args, *tapped) if isinstance(a, Tensor) and a.requires_grad]
-        watched = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
-        if eager is None or not inputs or not watched:
-            return
-        nodes = {o.grad_fn for o in watched}
-        if len(nodes) == 1 and None not in nodes:
-            # the compiled graph's one backward node: one post hook sees the gradient of every
-            # input it gives and every output's it received (a hook per input cost 4 ms of a
-            # 72 ms GPT-2 step)
-            slots = [o.output_nr for o in watched]
-            fired = []
-
-            def after_node(grad_inputs, grad_outputs):
-                if fired:  # once (it is not removed while autograd runs the node's hooks)
-                    return
-                fired.append(True)
-                verdict(grad_inputs, {k: grad_outputs[nr] for k, nr in enumerate(slots)
-                                      if nr < len(grad_outputs) and grad_outputs[nr] is not None}, args)
-
-            handle = next(iter(nodes)).register_hook(after_node)
-        else:  # outputs from several nodes (a view of an input among them)
-            upstream: dict[int, Tensor] = {}
-            for k, o in enumerate(watched):
-                o.register_hook(lambda g, k=k: upstream.__setitem__(k, g))
-
-            def after(grads):
-                handle.remove()
-                verdict(grads, upstream, args)
-
-            handle = torch.autograd.graph.register_multi_grad_hook(inputs, after)
-        pending.append(handle)
-        while len(pending) > _PENDING:
-            pending.popleft().remove()
-
     def run(*args):  # dynamo calls what a backend returns with the flat inputs
         tapped = () if probe is None else (torch.zeros((), device=probe, requires_grad=True),)
         outs = list(compiled(*args, *tapped))
         check(outs.pop(), args)
-        if torch.is_grad_enabled():
-            watch_backward(args, outs, tapped)
+        if torch.is_grad_enabled() and eager is not None:
+            inputs = [a for a in (*args, *tapped) if isinstance(a, Tensor) and a.requires_grad]
+            watch_backward(inputs, outs, lambda grads, upstream: replay(grads, upstream, args), pending)
         return outs
 
     return run

@@ -47,7 +47,7 @@ def scalar(t: Tensor) -> Tensor:
     return torch.linalg.vector_norm(t, float("inf"))
 
 
-def _state(v: float) -> int:
+def state_of(v: float) -> int:
     return FINITE if v - v == 0 else (NAN if v != v else INF)
 
 
@@ -56,7 +56,7 @@ def read(scalars: list[Tensor]) -> list[int]:
     if not scalars:
         return []
     try:  # the one read: a copy of every scalar
-        return [_state(v) for v in torch.stack(scalars).tolist()]
+        return [state_of(v) for v in torch.stack(scalars).tolist()]
     except RuntimeError:  # several devices (a model split over GPUs): one copy each
         pass
     by_device: dict = {}
@@ -66,7 +66,7 @@ def read(scalars: list[Tensor]) -> list[int]:
     for ks in by_device.values():
         vals = torch.stack([scalars[k].to(torch.float64) for k in ks]).tolist()
         for k, v in zip(ks, vals, strict=True):
-            states[k] = _state(v)
+            states[k] = state_of(v)
     return states
 
 

@@ -11,10 +11,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ._check import COLLECT, check_input, check_state, state_scalar, state_tensors
+from ._check import COLLECT, check_input, check_state, state_scalar, state_tensors, watch_backward
 from ._compat import functorch_active, require
 from ._config import Config, dynamic_dims_of, make_config
-from ._deferred import Forward
+from ._deferred import FINITE, NAN, Forward, scalar, state_of
 from ._errors import ConfigError, NanpassTypeError
 from ._intercept import GuardMode, Sites, run_guarded
 from ._rewrite import Change, GraphRecord, summary
@@ -66,8 +66,11 @@ class Hardened(torch.nn.Module):
         sites = self._nanpass_sites
         mode = self._nanpass_config.mode
         watch = sites.checker
-        if (watch is not None and watch.deferred and watch.pending is None and COLLECT.get() is None
-                and not torch.compiler.is_compiling() and not functorch_active()):
+        if torch.compiler.is_compiling():  # (first: a traced ContextVar read graph-breaks)
+            if watch is not None and watch.deferred:
+                return self._compiled_once(args, kwargs)
+        elif watch is not None and watch.deferred and watch.pending is None and COLLECT.get() is None \
+                and not functorch_active():
             return self._checked_once(args, kwargs)
         if mode in ("check", "warn"):
             sites.checker.found = False
@@ -127,10 +130,29 @@ class Hardened(torch.nn.Module):
             watch.watch_output_grads(outs, "the model's output")
         return out
 
-    def _check_again(self, args, kwargs, rng, verdict: str) -> None:
+    def _compiled_once(self, args, kwargs):
+        """``torch.compile(harden(m, mode="check"))``: the compiled forward collects one scalar
+        per new value (``_intercept._noted``) with the state's, the inputs' and the outputs',
+        and hands them, stacked, to ``_settle``, which runs eagerly after the graph and reads
+        them once. Two graph breaks: before the forward (its random state, for a run again)
+        and after it."""
+        rng = _begin()
+        sites, model = self._nanpass_sites, self._nanpass_model
+        noted: list = []
+        out = run_guarded(sites, model, args, kwargs, noted)
+        state = state_tensors(model)
+        head = [state_scalar(state).view(1)] if state else []
+        head += [scalar(o).view(1) for o in leaves(out) if _float_value(o)]
+        data = [scalar(t).view(1) for t in leaves((args, kwargs)) if _float_value(t)]
+        every = [*head, *data, *noted]
+        return _settle(self, rng, torch.cat(every) if every else None, len(head), len(data), out,
+                       args, kwargs)
+
+    def _check_again(self, args, kwargs, rng, verdict: str | None, backward=None):
         """The forward again with the check at each op, from the first run's random state; the
         buffers it writes (a batch norm's running statistics) are put back as the first run
-        left them, and the random state as it was after the first run."""
+        left them, and the random state as it was after the first run. ``backward(out)`` runs
+        its backward, checked at each node too."""
         watch, model = self._nanpass_sites.checker, self._nanpass_model
         after = _rng_state()
         # the second run writes into copies of the buffers (a batch norm's running statistics):
@@ -147,7 +169,9 @@ class Hardened(torch.nn.Module):
         _set_rng_state(rng)
         watch.deferred = False
         try:
-            self._forward_mode(*args, **kwargs)
+            out = self._forward_mode(*args, **kwargs)
+            if backward is not None:
+                backward(out)
         finally:
             watch.deferred = True
             _set_rng_state(after)
@@ -421,6 +445,55 @@ def harden(
         raise ConfigError("nanpass: example_inputs and dynamic_dims are for shape_checks=True; "
                           "pass shape_checks=True, or leave them out")
     return Hardened(model, config, shapes)
+
+
+@torch.compiler.disable
+def _begin() -> tuple:
+    """A compiled check-mode forward's random state, read eagerly."""
+    return _rng_state()
+
+
+@torch.compiler.disable
+def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args, kwargs):
+    """After a compiled check-mode forward, eagerly: its scalars read in one copy. A NaN or an
+    infinity in the state, the data (NaN) or the output, or a NaN anywhere, runs the forward
+    again eagerly with the check at each op, which names the op as eager check mode does. An
+    infinity elsewhere may be made on purpose (a mask): the run again decides, and a pattern
+    of infinities it found quiet is not run again (the same ops non-finite, the same poles).
+    The backward: one fused check of the parameters' and inputs' gradients, and on a hit the
+    step again with the same upstream gradients, checked at each node."""
+    watch = safe._nanpass_sites.checker
+    watch.found = False
+    if scalars is not None:
+        st = [state_of(v) for v in scalars.tolist()]  # the one read
+        if any(s != FINITE for s in st):
+            definite = (any(s != FINITE for s in st[:n_reasons]) or NAN in st[n_reasons:n_reasons + n_data]
+                        or NAN in st[n_reasons + n_data:])
+            key = tuple(st)
+            if definite or key not in watch.quiet:
+                safe._check_again(args, kwargs, rng, "definite" if definite else "maybe")
+                if not watch.found and not definite and len(watch.quiet) < _QUIET:
+                    watch.quiet.add(key)
+    if torch.is_grad_enabled():
+        model = safe._nanpass_model
+        inputs = [p for p in model.parameters() if p.requires_grad]
+        inputs += [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+        def on_hit(grads, upstream):
+            def backward(again):
+                outs = [o for o in leaves(again) if isinstance(o, torch.Tensor) and o.requires_grad]
+                pairs = [(o, upstream[k]) for k, o in enumerate(outs) if k in upstream]
+                if pairs:
+                    torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+
+            with torch.enable_grad():
+                safe._check_again(args, kwargs, rng, None, backward)
+
+        watch_backward(inputs, leaves(out), on_hit, watch.compiled_pending)
+    return out
+
+
+_QUIET = 64  # patterns of infinities made on purpose that a compiled check-mode model remembers
 
 
 def _float_value(t) -> bool:

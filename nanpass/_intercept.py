@@ -36,7 +36,8 @@ from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
 from ._rule import computes_in
 from ._rules import CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
-from ._watch import Watch, leaves
+from ._deferred import pole_flag, scalar
+from ._watch import MOVE_ONLY, Watch, _plain, leaves
 from ._watch import inplace as _inplace
 
 Tensor = torch.Tensor
@@ -501,15 +502,19 @@ _fastpath._ADMIT.append(_in_dtypes)
 
 class GuardMode(TorchFunctionMode):
     """Swaps the rule table's calls for guards while a hardened model runs. One per call: a
-    mode is per thread, so threads never see each other's."""
+    mode is per thread, so threads never see each other's. ``noted``: check mode under
+    torch.compile, every call as written and its new values' scalars collected (``_noted``)."""
 
-    def __init__(self, sites: Sites):
+    def __init__(self, sites: Sites, noted: list | None = None):
         super().__init__()
         self.sites = sites
+        self.noted = noted
 
     @_compat.eager_handler
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         hit = _hit(func)
+        if self.noted is not None:
+            return _noted(self.noted, func, hit, args, kwargs or {})
         watch = self.sites.checker
         if watch is not None and not torch.compiler.is_compiling():
             return _watched(watch, self.sites, func, hit, args, kwargs or {})
@@ -526,6 +531,30 @@ class GuardMode(TorchFunctionMode):
 
 
 _compat.graphs_run_outside(GuardMode)
+
+
+def _noted(noted: list, func, hit, args, kwargs):
+    """A call of a compiled check-mode forward: as written, with one scalar per new floating
+    value (``_deferred.scalar``: NaN or infinite exactly when the value holds one) added to
+    ``noted``, which the hardened call reads once after the forward; a call that only moves
+    values (a view, a slice, a concatenation) makes none. Where the rule table gives the op's
+    poles, a scalar also says whether an infinity sits at one (``log(0)``), so that a pattern
+    of infinities checked once and found made on purpose is known again."""
+    out = _as_called(func, args, kwargs)
+    name = getattr(func, "__name__", None)
+    if isinstance(func, ATEN_OPS) or name in _UNWATCHED or name in MOVE_ONLY:
+        return out
+    new = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, Tensor) and _plain(o)]
+    # (one element, not 0-dim: where the model graph-breaks, the frame dynamo resumes holds
+    # ``noted``, and it guards a 0-dim CPU tensor's value, one read each)
+    noted.extend(scalar(o).view(1) for o in new)
+    if new and hit is not None and hit[0].poles:
+        ops = (args[1], args[0], *args[2:]) if hit[2] else args
+        k = hit[0].pole_operand
+        x = ops[k] if k < len(ops) else None
+        if isinstance(x, Tensor) and _plain(x) and x.dim() <= new[0].dim():
+            noted.append(pole_flag(new[0], x, hit[0].poles, {}).view(1))
+    return out
 
 
 class Survey(TorchFunctionMode):
@@ -580,11 +609,12 @@ def _watched(watch: Watch, sites: Sites, func, hit, args, kwargs):
     return watch.run(func, None, args, kwargs, _inplace(func))
 
 
-def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict):
-    """``fn(*args, **kwargs)`` with the rule table's calls guarded, unless already so."""
-    if torch.compiler.is_compiling():
+def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict, noted: list | None = None):
+    """``fn(*args, **kwargs)`` with the rule table's calls guarded, unless already so
+    (``noted``: check mode under torch.compile, see ``_noted``)."""
+    if noted is not None or torch.compiler.is_compiling():
         # traced by dynamo: the mode is inlined into the graph; no ContextVar, no counters
-        with GuardMode(sites):
+        with GuardMode(sites, noted):
             return fn(*args, **kwargs)
     mode = ACTIVE.get()
     if mode is not None and mode.sites is sites:

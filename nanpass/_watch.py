@@ -17,6 +17,7 @@ never on purpose, and is named at once.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import linecache
 import math
@@ -47,6 +48,16 @@ _MOVES = frozenset({
     "UnsqueezeBackward0", "SplitBackward0", "SplitWithSizesBackward0", "UnbindBackward0",
     "CatBackward0", "StackBackward0", "CloneBackward0", "AliasBackward0", "NegBackward0",
     "MaskedFillBackward0", "ViewAsRealBackward0", "UnfoldBackward0"})
+
+# calls that only move or select values already made (compiled check mode notes no new
+# value for them; a cast, which can overflow, is not among them)
+MOVE_ONLY = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "t", "permute", "split",
+    "split_with_sizes", "chunk", "unbind", "narrow", "select", "__getitem__", "expand",
+    "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "contiguous", "detach", "clone",
+    "cat", "concat", "concatenate", "stack", "movedim", "moveaxis", "swapaxes", "swapdims",
+    "index_select", "gather", "take_along_dim", "roll", "flip", "repeat", "tile", "tril", "triu",
+    "unfold", "diagonal", "as_strided", "real", "imag", "mT", "mH"})
 
 _OPERATORS = {
     "__add__": "+", "__radd__": "+", "__iadd__": "+=", "__sub__": "-", "__rsub__": "-",
@@ -183,6 +194,11 @@ class Watch:
         # backward ends, before an optimizer step and at the end (``flush``)
         self.program = False
         self._program: Forward | None = None
+        self._backwards: list[Backward] = []
+        # compiled check mode: patterns of infinities found made on purpose, and the backward
+        # checks waiting (``_harden._settle``)
+        self.quiet: set = set()
+        self.compiled_pending: collections.deque = collections.deque()
 
     def start_program(self) -> None:
         """nanpass.enable's check: verdicts on the device, read at the step's few points."""
@@ -500,8 +516,8 @@ class Watch:
                    f"{describe(grad)}")
 
     def backward_ended(self, bw: Backward) -> None:
-        if self.program:
-            self.flush(bw)  # the forward's verdicts with the backward's, in one copy
+        if self.program:  # read with the calls after it: before the optimizer step, at the
+            self._backwards.append(bw)  # next backward or when enable ends (one read a step)
         else:
             self.backward_verdicts(bw)
 
@@ -545,20 +561,26 @@ class Watch:
         finally:
             self.found = False
 
-    def flush(self, bw: Backward | None = None) -> None:
-        """Read the program's verdicts (with a backward's, in the same copy) and report what
-        the check at each op would have reported, in the order it would have."""
+    def flush(self) -> None:
+        """Read the program's verdicts (the backwards' since the last read with the calls',
+        in one copy) and report what the check at each op would have reported, in the order
+        it would have."""
         step, self._program = self._program, None
+        backwards, self._backwards = self._backwards, []
         fw = step.scalars if step is not None else []
-        if not fw and bw is None:
+        scalars = [s for bw in backwards for s in bw.scalars] + fw
+        if not scalars:
             return
-        st = read(fw + bw.scalars if bw is not None else fw)  # the one read
-        if fw and step.verdict(st[:len(fw)]) is not None:
+        st = read(scalars)  # the one read
+        k = 0
+        for bw in backwards:  # (each ran before the calls still pending)
+            self.backward_verdicts(bw, st[k:k + len(bw.scalars)])
+            k += len(bw.scalars)
+        st = st[k:]
+        if fw and step.verdict(st) is not None:
             self._replay(step, st)
             for t, what in step.escapes:
                 self.escaped([t], what)
-        if bw is not None:
-            self.backward_verdicts(bw, st[len(fw):])
 
     def _replay(self, step: Forward, st: list[int]) -> None:
         """The per-op check, made now from the states on each recorded call whose result was

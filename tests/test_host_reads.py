@@ -30,6 +30,60 @@ class _Reads(TorchDispatchMode):
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
+    def __enter__(self):  # (also a copy of a whole tensor to a Python list, which no aten op makes)
+        self._tolist = _count_tolist(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+def _count_tolist(counter):
+    plain = torch.Tensor.tolist
+    inside = []
+
+    def tolist(t):
+        if inside:  # (a mode handed the call on: torch looks the method up again by name)
+            return plain(t)
+        counter.n += 1
+        counter.ops.append("tolist")
+        inside.append(True)
+        try:
+            return plain(t)
+        finally:
+            inside.pop()
+
+    torch.Tensor.tolist = tolist
+    return plain
+
+
+class _CompiledReads:
+    """The same count where a dispatch mode cannot be used (torch.compile runs a frame
+    eagerly under one): the profiler's record of the aten ops that read a value back."""
+
+    _NAMES = {f"aten::{f._schema.name.split('::')[1]}" for f in _READS}
+
+    def __enter__(self):
+        self.n, self.ops = 0, []
+        self._tolist = _count_tolist(self)
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._prof.__enter__()
+        return self
+
+    def _inside_read(self, e) -> bool:  # (bool(t) is is_nonzero, which reads through item)
+        p = e.cpu_parent
+        while p is not None and p.name not in self._NAMES:
+            p = p.cpu_parent
+        return p is not None
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        self._prof.__exit__(*exc)
+        reads = [e.name for e in self._prof.events() if e.name in self._NAMES and not self._inside_read(e)]
+        self.n += len(reads)
+        self.ops += reads
+
 
 def _mlp():
     torch.manual_seed(0)
@@ -58,10 +112,10 @@ def _step(model, batch):
     loss.backward()
 
 
-def _reads(model, batch) -> int:
+def _reads(model, batch, counter=_Reads) -> int:
     _step(model, batch)  # the first call records each site (and its constants)
     model.zero_grad(set_to_none=True)
-    with _Reads() as r:
+    with counter() as r:
         _step(model, batch)
     return r.n
 
@@ -73,6 +127,21 @@ def test_check_mode_reads_the_host_at_most_twice_a_step(name, mode):
     plain = _reads(model, batch)
     checked = _reads(nanpass.harden(model, mode=mode, watch=None), batch)
     assert checked <= plain + 2, f"{name}, mode={mode}: {checked} host reads a step, plain {plain}"
+
+
+@pytest.mark.parametrize("mode", ["check", "warn"])
+@pytest.mark.parametrize("name", ["mlp", "encoder", "gpt2"])
+def test_compiled_check_mode_reads_the_host_at_most_twice_a_step(name, mode):
+    """torch.compile(harden(m, mode="check")): the compiled forward keeps a scalar per new
+    value on the device and reads them once after the graph; the backward reads one fused
+    check of the gradients."""
+    model, batch = _model(name)
+    plain = _reads(torch.compile(model, backend="aot_eager"), batch, _CompiledReads)
+    safe = torch.compile(nanpass.harden(model, mode=mode, watch=None), backend="aot_eager")
+    _step(safe, batch)  # (compiles; the steps counted run the compiled graphs)
+    checked = _reads(safe, batch, _CompiledReads)
+    torch._dynamo.reset()
+    assert checked <= plain + 2, f"{name}, compiled mode={mode}: {checked} host reads a step, plain {plain}"
 
 
 def test_stop_at_op_reads_at_every_op_as_a_debugger_wants():
@@ -158,6 +227,70 @@ def test_the_finding_is_the_one_the_check_at_each_op_makes(where, mode):
         assert got == want
     # the second run (forward findings) leaves the running statistics as one forward does
     assert torch.equal(stats, want_stats)
+
+
+@pytest.mark.parametrize("where", ["forward-nan", "forward-overflow", "mask-then-nan", "backward"])
+@pytest.mark.parametrize("mode", ["check", "warn"])
+def test_compiled_check_names_what_eager_check_names(where, mode):
+    """torch.compile(harden(m, mode="check")): two reads a step, and on a finding the step runs
+    again eagerly with the check at each op, which names the op, its module, the user's line,
+    its operands, and where an infinity made on purpose was born; in backward, the node."""
+
+    def finding(compiled):
+        import warnings
+
+        torch.manual_seed(0)
+        m = _Bad(where)
+        safe = nanpass.harden(m, mode=mode, stop_at_op=not compiled, watch=None)
+        if compiled:
+            safe = torch.compile(safe, backend="aot_eager")
+        x = torch.randn(6, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                safe(x).sum().backward()
+            except nanpass.NonFiniteError as e:
+                return str(e), m.bn.running_mean.clone()
+            finally:
+                torch._dynamo.reset()
+        found = [str(w.message) for w in caught if issubclass(w.category, nanpass.NonFiniteWarning)]
+        return found[0] if found else None, m.bn.running_mean.clone()
+
+    got, stats = finding(True)
+    want, want_stats = finding(False)
+    assert got is not None and want is not None
+    if where == "backward":
+        assert got.split("\n")[:2] == want.split("\n")[:2]
+        assert "autograd node SqrtBackward0" in got
+    else:
+        assert got == want
+    assert torch.equal(stats, want_stats)  # the run again leaves the statistics as one forward
+
+
+class _Ratio(nn.Module):
+    def forward(self, x, d):
+        return torch.exp(-(x / d))  # x / 0 is +inf at a pole, and exp(-inf) is 0: quiet
+
+
+def test_compiled_check_runs_a_quiet_pattern_once_and_still_names_an_overflow(monkeypatch):
+    """An infinity made on purpose every step (a division at its pole) is checked by running
+    the step again once; the same pattern is then known quiet. A later infinity of the same
+    op from an overflow is another pattern (no infinity at the pole): it is named."""
+    runs = []
+    again = nanpass.Hardened._check_again
+    monkeypatch.setattr(nanpass.Hardened, "_check_again", lambda *a, **k: (runs.append(1), again(*a, **k))[1])
+    safe = torch.compile(nanpass.harden(_Ratio(), mode="check", watch=None), backend="aot_eager")
+    x = torch.full((4,), 1e10)
+    pole = torch.tensor([0.0, 1.0, 2.0, 4.0])
+    try:
+        for _ in range(3):
+            assert torch.equal(safe(x, pole), torch.exp(-(x / pole)))
+        assert len(runs) == 1  # the first step only
+        tiny = torch.full((4,), torch.finfo(torch.float32).tiny)  # 1e10 / tiny overflows
+        with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: Inf created by Tensor.div .*\n  an overflow"):
+            safe(x, tiny)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_threads_keep_their_own_verdicts():
