@@ -32,12 +32,12 @@ from . import _compat, _fastpath, _guards
 from ._check import Site
 from ._compat import ATEN_OPS
 from ._config import Config
+from ._deferred import pole_flag, scalar
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
 from ._rule import computes_in
 from ._rules import CALLS, Rule, Spelling
 from ._stats import Counter, GuardWarning
-from ._deferred import pole_flag, scalar
-from ._watch import MOVE_ONLY, Watch, _plain, leaves
+from ._watch import MOVE_ONLY, Watch, leaves, readable
 from ._watch import inplace as _inplace
 
 Tensor = torch.Tensor
@@ -544,7 +544,7 @@ def _noted(noted: list, func, hit, args, kwargs):
     name = getattr(func, "__name__", None)
     if isinstance(func, ATEN_OPS) or name in _UNWATCHED or name in MOVE_ONLY:
         return out
-    new = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, Tensor) and _plain(o)]
+    new = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, Tensor) and readable(o)]
     # (one element, not 0-dim: where the model graph-breaks, the frame dynamo resumes holds
     # ``noted``, and it guards a 0-dim CPU tensor's value, one read each)
     noted.extend(scalar(o).view(1) for o in new)
@@ -552,7 +552,7 @@ def _noted(noted: list, func, hit, args, kwargs):
         ops = (args[1], args[0], *args[2:]) if hit[2] else args
         k = hit[0].pole_operand
         x = ops[k] if k < len(ops) else None
-        if isinstance(x, Tensor) and _plain(x) and x.dim() <= new[0].dim():
+        if isinstance(x, Tensor) and readable(x) and x.dim() <= new[0].dim():
             noted.append(pole_flag(new[0], x, hit[0].poles, {}).view(1))
     return out
 

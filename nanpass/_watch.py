@@ -100,7 +100,7 @@ def _finite(t: Tensor) -> bool:
     return math.isfinite(s.item()) or bool(torch.isfinite(t).all())
 
 
-def _plain(t) -> bool:
+def readable(t) -> bool:
     """A dense floating tensor whose values can be read here (a subclass such as a DTensor
     or a FakeTensor is checked by the ops it runs, not read as a whole)."""
     return (type(t) is Tensor or type(t) is torch.nn.Parameter) and t.is_floating_point() and t.numel() > 0
@@ -225,13 +225,13 @@ class Watch:
         first = args[0] if args else None
         before = None
         skip = unread(func, args, kwargs)  # (baddbmm's input with beta=0: never blamed)
-        wrote = inplace and isinstance(first, Tensor) and _plain(first) and first is not skip
+        wrote = inplace and isinstance(first, Tensor) and readable(first) and first is not skip
         step = self.pending
         if step is not None and COLLECT.get() is not None:
             step = None  # nanpass.locate: every event, at its op
         if step is not None:  # the operands' values, looked up before an in-place op writes
             tensors = _tensors((*args, *kwargs.values()), [])
-            operands = [step.slot_of(t) for t in tensors if _plain(t) and t is not skip]
+            operands = [step.slot_of(t) for t in tensors if readable(t) and t is not skip]
         elif wrote:
             before = _finite(first)  # an in-place op overwrites its operand: look first
         out = func(*args, **kwargs)
@@ -245,7 +245,7 @@ class Watch:
             outs = [o for o in out if isinstance(o, Tensor)]
         else:
             if step is not None:
-                if isinstance(first, Tensor) and _plain(first):  # x[mask] = v writes into x
+                if isinstance(first, Tensor) and readable(first):  # x[mask] = v writes into x
                     call = self._call(func, hit, args, kwargs, [first], -1) if self.program else None
                     step.records.append(Record([step.add(first)], operands, _nonfinite_number(args[1:]),
                                                None, None, inplace=True, call=call))
@@ -260,7 +260,7 @@ class Watch:
             if grad and o.grad_fn is not None and _KEY not in o.grad_fn.metadata:
                 made = made or self._made(func, hit)
                 self._hook(o, args, kwargs, made)
-            if not _plain(o) or (o is not first and is_view(o) and _view_of_operand(o, args, kwargs)):
+            if not readable(o) or (o is not first and is_view(o) and _view_of_operand(o, args, kwargs)):
                 continue  # a view of an operand makes no new value
             if new is not None:
                 new.append(o)
@@ -280,7 +280,7 @@ class Watch:
         the check describes them), held weakly."""
         skip = unread(func, args, kwargs)
         plain = [deferred.Ref(t) for t in _tensors((*args, *kwargs.values()), [])
-                 if _plain(t) and t is not skip]
+                 if readable(t) and t is not skip]
         return hit, [deferred.Ref(o) for o in outs], before, made or self._made(func, hit), plain
 
     def _enough(self, step: Forward) -> None:
@@ -297,7 +297,7 @@ class Watch:
             ops = (args[1], args[0], *args[2:]) if hit[2] else args
             k = hit[0].pole_operand
             x = ops[k] if k < len(ops) else None
-            if isinstance(x, Tensor) and _plain(x) and x.dim() <= new[0].dim():
+            if isinstance(x, Tensor) and readable(x) and x.dim() <= new[0].dim():
                 pole = step.add(new[0], pole_flag(new[0], x, hit[0].poles, self._poles))
         call = None
         if self.program:  # the operand an in-place call overwrote: its state before
@@ -315,7 +315,7 @@ class Watch:
     def _nonfinite(self, func, hit, args, kwargs, o: Tensor, before, made) -> None:
         tensors = _tensors((*args, *kwargs.values()), [])
         skip = unread(func, args, kwargs)
-        inputs = [t for t in tensors if _plain(t) and t is not skip]
+        inputs = [t for t in tensors if readable(t) and t is not skip]
         # made from nothing but numbers (torch.full, torch.tensor): a constant, on purpose
         constant = not tensors or _nonfinite_number((*args, *kwargs.values()))
         if before is not None and inputs and inputs[0] is o:
@@ -373,7 +373,7 @@ class Watch:
             operands = (args[1], args[0], *args[2:]) if hit[2] else args
             k = hit[0].pole_operand
             x = operands[k] if k < len(operands) else None
-            if isinstance(x, Tensor) and _plain(x) and x.dim() <= o.dim():
+            if isinstance(x, Tensor) and readable(x) and x.dim() <= o.dim():
                 at = torch.isin(x, torch.tensor(hit[0].poles, dtype=x.dtype, device=x.device))
                 if bool((torch.isinf(o) & at).any()):
                     self.origins[o] = _Origin(site, f"made at a pole of {hit[0].name} by")
@@ -406,7 +406,7 @@ class Watch:
         """A NaN or Inf in ``what`` (the model's output, the loss) is never silent: named with
         the op that made it, or the infinity's birth."""
         for t in tensors:
-            if not _plain(t) or _finite(t):
+            if not readable(t) or _finite(t):
                 continue
             if bool(torch.isnan(t).any()):
                 if self.found:
@@ -476,18 +476,18 @@ class Watch:
             for g in grad_inputs:
                 if isinstance(g, Tensor) and g.grad_fn is not None and _KEY not in g.grad_fn.metadata:
                     self._hook(g, grad_outputs, {}, made)
-        given = [g for g in grad_inputs if isinstance(g, Tensor) and _plain(g)]
+        given = [g for g in grad_inputs if isinstance(g, Tensor) and readable(g)]
         if self.deferred and made.fn is None and COLLECT.get() is None:
             # read once when the backward ends (a custom Function's backward is checked here,
             # at its node, so that its own line can be named by running it again)
-            received = [g for g in grad_outputs if isinstance(g, Tensor) and _plain(g)]
+            received = [g for g in grad_outputs if isinstance(g, Tensor) and readable(g)]
             bw = deferred.start_backward(self)
             bw.records.append((made, name, bw.slots_of(given), bw.slots_of(received),
                                [(tuple(g.shape), g.dtype) for g in given]))
             return
         if all(_finite(g) for g in given):
             return
-        received = [g for g in grad_outputs if isinstance(g, Tensor) and _plain(g)]
+        received = [g for g in grad_outputs if isinstance(g, Tensor) and readable(g)]
         passed = not all(_finite(g) for g in received)
         if (passed or made.nonfinite) and self.found:
             return  # passed on, or explained by a NaN/Inf already named
@@ -551,7 +551,7 @@ class Watch:
             self.escaped([loss], "the loss")
         else:  # the forward's one read: before the backward frees what it saved, which the
             # findings describe (the backward's verdicts are read when it ends)
-            if _plain(loss):
+            if readable(loss):
                 k = step.get(loss)
                 step.reasons.append(k if k is not None else step.add(loss))
                 step.escapes.append((loss, "the loss"))
@@ -700,11 +700,11 @@ class _OutputGrad:
         if self.done:  # (not removed while autograd walks the tensor's hooks)
             return
         self.done = True
-        if _plain(grad) and self.watch.deferred and COLLECT.get() is None:
+        if readable(grad) and self.watch.deferred and COLLECT.get() is None:
             bw = deferred.start_backward(self.watch)
             bw.records.append((None, self.what, bw.slots_of([grad]), [], grad))
             return
-        if _plain(grad) and not _finite(grad):
+        if readable(grad) and not _finite(grad):
             self.watch.output_grad(self.what, grad)
 
 
