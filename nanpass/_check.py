@@ -323,13 +323,15 @@ def gradients_finite(grads) -> bool:
     return bool(torch.isfinite(torch.stack([n.float() for n in foreach_norm(grads)]).sum()))
 
 
-def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque) -> None:
+def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque, one_graph: bool = True) -> None:
     """Once the backward from ``outs`` has given every gradient of ``inputs`` (the graph's
     inputs that need one: the parameters among them), one fused check of those gradients;
     only when one is not finite, ``on_hit(grads, upstream)`` with the gradients each output
     received (by its index among the outputs that require one), to run the step again.
     A multi-grad hook on leaves lives until removed: each is removed when it fires, and at
-    most ``_PENDING`` wait for a backward (forwards with grad and no backward)."""
+    most ``_PENDING`` wait for a backward (forwards with grad and no backward).
+    ``one_graph``: ``inputs`` are the inputs of the graph that made ``outs`` (a backend's
+    graph), so where one node made them all, its post hook sees every gradient."""
     watched = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
     if not inputs or not watched:
         return
@@ -339,7 +341,7 @@ def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque)
             on_hit(grads, upstream)
 
     nodes = {o.grad_fn for o in watched}
-    if len(nodes) == 1 and None not in nodes:
+    if one_graph and len(nodes) == 1 and None not in nodes:
         # a compiled graph's one backward node: one post hook sees the gradient of every
         # input it gives and every output's it received (a hook per input cost 4 ms of a
         # 72 ms GPT-2 step)

@@ -267,6 +267,56 @@ def test_compiled_check_names_what_eager_check_names(where, mode):
     assert torch.equal(stats, want_stats)  # the run again leaves the statistics as one forward
 
 
+@torch.compiler.disable
+def _eager(t):
+    return t
+
+
+class _Breaks(nn.Module):
+    """Two graphs: the gradient turns infinite in the first one's backward (d sqrt at 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        y = torch.sqrt(h - h)
+        return _eager(y) * 2
+
+
+def test_compiled_check_sees_a_gradient_made_in_an_earlier_graph():
+    """A model that graph-breaks: its output comes from the last graph, whose backward node
+    gives no parameter's gradient; the check looks at every parameter's."""
+    torch.manual_seed(0)
+    m = _Breaks()
+    x = torch.randn(3, 4)
+    with pytest.raises(nanpass.NonFiniteError) as eager:
+        nanpass.harden(m, mode="check", stop_at_op=True)(x).sum().backward()
+    safe = torch.compile(nanpass.harden(m, mode="check"), backend="aot_eager")
+    try:
+        with pytest.raises(nanpass.NonFiniteError) as compiled:
+            safe(x).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert str(compiled.value).split("\n")[:2] == str(eager.value).split("\n")[:2]
+    assert "SqrtBackward0" in str(compiled.value)
+
+
+def test_compiled_check_names_a_nan_parameter():
+    """A NaN already in a parameter (a checkpoint, an earlier step) is seen in what the op that
+    reads it makes, and named as the parameter's, as eager check mode names it."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        m[2].weight[0, 1] = float("nan")
+    safe = torch.compile(nanpass.harden(m, mode="check"), backend="aot_eager")
+    try:
+        with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: NaN in the parameter '2.weight' \(Linear\) before the model ran"):
+            safe(torch.randn(3, 4))
+    finally:
+        torch._dynamo.reset()
+
+
 class _Ratio(nn.Module):
     def forward(self, x, d):
         return torch.exp(-(x / d))  # x / 0 is +inf at a pole, and exp(-inf) is 0: quiet
