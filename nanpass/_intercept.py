@@ -726,7 +726,11 @@ def _bind(fn: Callable) -> Callable:
     sites = mode.sites
 
     def run(*args, **kwargs):
-        return run_guarded(sites, fn, args, kwargs)
+        watch = sites.checker
+        if watch is None or ACTIVE.get() is not None or not watch.deferred:
+            return run_guarded(sites, fn, args, kwargs)
+        with watch.recomputing():  # in backward: the forward's values again, checked already
+            return run_guarded(sites, fn, args, kwargs)
 
     return functools.wraps(fn)(run)
 

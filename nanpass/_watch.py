@@ -200,6 +200,17 @@ class Watch:
         self.quiet: set = set()
         self.compiled_pending: collections.deque = collections.deque()
 
+    @contextlib.contextmanager
+    def recomputing(self):
+        """A checkpointed region's recompute in backward: the values the forward made and the
+        check looked at, made again. Its nodes are hooked (a reentrant checkpoint's backward
+        runs through them), its values not read again (a read at each op of the backward)."""
+        self._local.recompute = getattr(self._local, "recompute", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.recompute -= 1
+
     def start_program(self) -> None:
         """nanpass.enable's check: verdicts on the device, read at the step's few points."""
         self.deferred = self.program = True
@@ -229,10 +240,11 @@ class Watch:
         step = self.pending
         if step is not None and COLLECT.get() is not None:
             step = None  # nanpass.locate: every event, at its op
+        again = step is None and getattr(self._local, "recompute", 0) and COLLECT.get() is None
         if step is not None:  # the operands' values, looked up before an in-place op writes
             tensors = _tensors((*args, *kwargs.values()), [])
             operands = [step.slot_of(t) for t in tensors if readable(t) and t is not skip]
-        elif wrote:
+        elif wrote and not again:
             before = _finite(first)  # an in-place op overwrites its operand: look first
         out = func(*args, **kwargs)
         func = named or func
@@ -264,7 +276,7 @@ class Watch:
                 continue  # a view of an operand makes no new value
             if new is not None:
                 new.append(o)
-            elif not _finite(o):
+            elif not again and not _finite(o):
                 self._nonfinite(func, hit, args, kwargs, o, before, made)
                 if made is not None:
                     made.nonfinite = True
@@ -462,8 +474,11 @@ class Watch:
     def _hook_custom(self, node, near: _Made) -> None:
         cls = custom_function(node)
         code = getattr(cls.backward, "__code__", None)
+        # (torch's own Functions, a reentrant checkpoint's among them, are checked with the
+        # rest of the backward, once; a user's is run again to name the line inside it)
+        mine = None if cls.__module__.startswith("torch.") else cls
         made = _Made("", f"{cls.__qualname__}.backward", near.module, near.path,
-                     code.co_filename if code else None, code.co_firstlineno if code else None, cls)
+                     code.co_filename if code else None, code.co_firstlineno if code else None, mine)
         node.metadata[_KEY] = made
         try:
             ref = weakref.ref(node)

@@ -343,6 +343,40 @@ def test_compiled_check_runs_a_quiet_pattern_once_and_still_names_an_overflow(mo
         torch._dynamo.reset()
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool, bad: bool = False):
+        super().__init__()
+        self.a, self.b, self.reentrant, self.bad = nn.Linear(8, 8), nn.Linear(8, 8), reentrant, bad
+
+    def block(self, x):
+        h = torch.tanh(self.a(x)).exp() * self.b(x)
+        return torch.sqrt(h - h) if self.bad else h  # bad: d sqrt at 0 is infinite
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=self.reentrant).sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_region_is_not_read_again_in_its_recompute(reentrant):
+    """The recompute in backward makes the forward's values again: they were checked in the
+    forward and are not read at each op; its nodes' backward is still checked (a reentrant
+    checkpoint's backward runs through the recompute's graph), named as stop_at_op names it."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=reentrant)  # (reentrant: an input that needs a gradient)
+    model = _Checkpointed(reentrant)
+    plain = _reads(model, {"x": x}, _Reads)
+    assert _reads(nanpass.harden(model, mode="check", watch=None), {"x": x}, _Reads) <= plain + 2
+    model.bad = True
+    with pytest.raises(nanpass.NonFiniteError) as got:
+        nanpass.harden(model, mode="check", watch=None)(x).backward()
+    with pytest.raises(nanpass.NonFiniteError) as want:
+        nanpass.harden(model, mode="check", stop_at_op=True, watch=None)(x).backward()
+    assert str(got.value).split("\n")[:2] == str(want.value).split("\n")[:2]
+    assert "SqrtBackward0" in str(got.value)
+
+
 def test_threads_keep_their_own_verdicts():
     """Two threads through one hardened model: each forward's verdicts are its own thread's,
     so the thread whose input makes a NaN gets the error and the other none."""
