@@ -71,8 +71,9 @@ class Enabled:
         self.sites = Sites(None, config, config.watch)
         self._watch = self.sites.checker
         if self._watch is not None and not config.stop_at_op:
-            # each call's verdict stays on the device; read when a backward ends, before an
-            # optimizer step and at the end (on a GPU a read waits for every queued kernel)
+            # each call's verdict stays on the device; read when loss.backward() starts, before
+            # an optimizer step (with the backward's) and at the end (on a GPU a read waits for
+            # every queued kernel)
             self._watch.start_program()
         self.skipped = 0
         self._mode = _ProgramMode(self.sites)

@@ -191,7 +191,8 @@ class Watch:
         self.pending_backward: Backward | None = None
         self._poles: dict = {}
         # nanpass.enable: one Forward kept open for the program's main thread, read when a
-        # backward ends, before an optimizer step and at the end (``flush``)
+        # backward starts, before an optimizer step and at the end (``flush``), with the
+        # backwards that ended since the last read
         self.program = False
         self._program: Forward | None = None
         self._backwards: list[Backward] = []
