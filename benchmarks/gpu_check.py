@@ -6,7 +6,8 @@
 2. GPT-2 (12 layers, 768 wide) train step, hardened vs plain, float32 and bfloat16 autocast:
    time and peak memory (torch.cuda.max_memory_allocated), and the compiled step vs inductor;
 3. GradScaler with float16 autocast: the hardened run's scale trajectory equals the plain one;
-4. check mode and ``detect_anomaly`` beside the plain step (``check``); one step of each kind
+4. check mode and ``detect_anomaly`` beside the plain step, and compiled check mode beside
+   inductor (``check``); one step of each kind
    under ``torch.cuda.set_sync_debug_mode("error")`` (``sync_debug``: where the host is read);
    CUDA graphs (``mode="reduce-overhead"``) through ``compile(harden(m))`` and the backend
    against inductor's own (``cuda_graphs``).
@@ -214,6 +215,12 @@ def check_rows() -> dict:
         key = f"{str(autocast)[6:]} autocast" if autocast else "float32"
         out[key] = {**{f"{k}_ms": v for k, v in t.items()}, "check_ratio": t["check"] / t["plain"],
                     "anomaly_ratio": t["detect_anomaly"] / t["plain"]}
+    # compiled check mode: a scalar per new value inside the graph, read once after it
+    torch._dynamo.reset()
+    ind, chk = torch.compile(model), torch.compile(nanpass.harden(model, mode="check"))
+    t = _time({"inductor": _step(ind, ids, None), "check": _step(chk, ids, None)}, repeats=5)
+    out["compiled float32"] = {"inductor_ms": t["inductor"], "compiled_check_ms": t["check"],
+                               "compiled_check_ratio": t["check"] / t["inductor"]}
     return out
 
 
