@@ -362,8 +362,13 @@ def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque,
             o.register_hook(lambda g, k=k: upstream.__setitem__(k, g))
 
         def after(grads):
+            if not upstream:  # another forward's backward reached the leaves: not this one's
+                return
             handle.remove()
-            verdict(grads, upstream)
+            try:
+                verdict(grads, upstream)
+            finally:
+                upstream.clear()  # (the outputs' hooks hold it as long as the outputs live)
 
         handle = torch.autograd.graph.register_multi_grad_hook(inputs, after)
     pending.append(handle)

@@ -210,9 +210,10 @@ class Backward:
     before it gave (autograd sums only where several contributions meet): its slot is found
     by identity, and only a gradient not seen yet costs a reduction."""
 
-    __slots__ = ("scalars", "records", "slots")
+    __slots__ = ("scalars", "records", "slots", "explained")
 
     def __init__(self):
+        self.explained = False  # something was reported before it ended (nanpass.enable)
         self.scalars: list[Tensor] = []
         self.records: list[tuple] = []
         self.slots: dict[int, tuple] = {}  # id(gradient) -> (a weak reference, its slot)
@@ -235,11 +236,12 @@ def start_backward(watch) -> Backward:
     """The running backward's record, made at its first hook; read when it ends."""
     bw = watch.pending_backward
     if bw is None:
-        bw = watch.pending_backward = Backward()
+        bw = Backward()
 
         def end():
             watch.pending_backward = None
             watch.backward_ended(bw)
 
-        at_backward_end(end)
+        at_backward_end(end)  # (raises outside a backward: then nothing is left pending)
+        watch.pending_backward = bw
     return bw

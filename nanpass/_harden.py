@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Iterable, Mapping
 
@@ -43,6 +44,8 @@ class Hardened(torch.nn.Module):
         # the watch samples plain guard mode; count=True and the check modes say more already
         watch = config.watch if config.mode == "guard" and not config.count else None
         d["_nanpass_sites"] = Sites(model, config, watch)
+        if config.mode in ("check", "warn") and "torch._dynamo" in sys.modules:
+            _eagerly(_begin), _eagerly(_settle)  # (made before a trace: no graph break at them)
         d["_nanpass_shapes"] = shapes  # (examples, dynamic dims) when shape_checks=True
         d["_nanpass_inputs"] = None
         if shapes is not None:
@@ -135,7 +138,7 @@ class Hardened(torch.nn.Module):
         per new value (``_intercept._noted``) with the inputs' and the outputs', and hands them,
         in one tensor, to ``_settle``, which runs eagerly after the graph and reads them once.
         Two graph breaks: before the forward (its random state, for a run again) and after."""
-        rng = _begin()
+        rng = _eagerly(_begin)()
         sites, model = self._nanpass_sites, self._nanpass_model
         noted: list = []
         out = run_guarded(sites, model, args, kwargs, noted)
@@ -145,8 +148,10 @@ class Hardened(torch.nn.Module):
         head = [scalar(o).view(1) for o in leaves(out) if _float_value(o)]
         data = [scalar(t).view(1) for t in leaves((args, kwargs)) if _float_value(t)]
         every = [*head, *data, *noted]
-        return _settle(self, rng, torch.cat(every) if every else None, len(head), len(data), out,
-                       args, kwargs)
+        if every:  # (one device: a CPU input the model moves to the GPU itself)
+            every = torch.cat([s.to(every[-1].device) for s in every])
+        return _eagerly(_settle)(self, rng, every if len(every) else None, len(head), len(data), out,
+                                 args, kwargs)
 
     def _check_again(self, args, kwargs, rng, verdict: str | None, backward=None):
         """The forward again with the check at each op, from the first run's random state; the
@@ -447,13 +452,11 @@ def harden(
     return Hardened(model, config, shapes)
 
 
-@torch.compiler.disable
 def _begin() -> tuple:
     """A compiled check-mode forward's random state, read eagerly."""
     return _rng_state()
 
 
-@torch.compiler.disable
 def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args, kwargs):
     """After a compiled check-mode forward, eagerly: its scalars read in one copy. A NaN or an
     infinity in the output, a NaN in the data, or a NaN anywhere, runs the forward
@@ -471,9 +474,13 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
                         or NAN in st[n_reasons + n_data:])
             key = tuple(st)
             if definite or key not in watch.quiet:
+                born = watch.born
                 safe._check_again(args, kwargs, rng, "definite" if definite else "maybe")
-                if not watch.found and not definite and len(watch.quiet) < _QUIET:
-                    watch.quiet.add(key)
+                if not watch.found and not definite:
+                    if watch.born == born:  # the eager run made no infinity: not reproduced
+                        _not_reproduced(safe, "an infinity in the forward")
+                    elif len(watch.quiet) < _QUIET:  # made on purpose, as the eager run saw
+                        watch.quiet.add(key)
     if torch.is_grad_enabled():
         model = safe._nanpass_model
         inputs = [p for p in model.parameters() if p.requires_grad]
@@ -488,6 +495,8 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
 
             with torch.enable_grad():
                 safe._check_again(args, kwargs, rng, None, backward)
+            if not watch.found:
+                _not_reproduced(safe, "a non-finite gradient in the backward")
 
         # (a model that graph-breaks made its output in its last graph: that graph's node
         # does not give the parameters' gradients of the graphs before it)
@@ -496,6 +505,27 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
 
 
 _QUIET = 64  # patterns of infinities made on purpose that a compiled check-mode model remembers
+
+
+def _not_reproduced(safe: Hardened, what: str) -> None:
+    safe._nanpass_sites.checker._emit(
+        "forward" if "forward" in what else "backward", "NaN/Inf", None,
+        f"{what} of the compiled {type(safe._nanpass_model).__name__}, which its run again eagerly "
+        f"with a check at each op did not reproduce (a random draw the compiled graph makes "
+        f"differently, or inductor's own rounding); harden(model, mode="
+        f"{safe._nanpass_config.mode!r}) without torch.compile checks each op as it runs")
+
+
+_EAGER: dict = {}
+
+
+def _eagerly(fn):
+    """``fn`` run eagerly from a compiled frame (a graph break): ``torch.compiler.disable``
+    applied when first needed, since it imports dynamo, which ``import nanpass`` does not."""
+    got = _EAGER.get(fn)
+    if got is None:
+        got = _EAGER[fn] = torch.compiler.disable(fn)
+    return got
 
 
 def _float_value(t) -> bool:

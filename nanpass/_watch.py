@@ -199,6 +199,7 @@ class Watch:
         # compiled check mode: patterns of infinities found made on purpose, and the backward
         # checks waiting (``_harden._settle``)
         self.quiet: set = set()
+        self.born = 0  # infinities made on purpose seen (a run again that saw none, saw nothing)
         self.compiled_pending: collections.deque = collections.deque()
 
     @contextlib.contextmanager
@@ -264,7 +265,7 @@ class Watch:
                                                None, None, inplace=True, call=call))
                     self._enough(step)
             elif isinstance(first, Tensor) and _nonfinite_number(args[1:]):  # x[mask] = -inf
-                self.origins[first] = _Origin(self._site(func, hit), "made on purpose (an infinite constant) by")
+                self._born(first, _Origin(self._site(func, hit), "made on purpose (an infinite constant) by"))
             return out
         made = None
         grad = torch.is_grad_enabled()
@@ -285,7 +286,21 @@ class Watch:
             self._record(step, hit, args, kwargs, new, tensors, operands, made, wrote and new[0] is first,
                          func, wrote)
             self._enough(step)
+        elif again and made is not None:
+            self._recomputed(made, [o for o in outs if readable(o)])
         return out
+
+    def _recomputed(self, made: _Made, values: list) -> None:
+        """A recomputed call's values join the backward's one read, so that its nodes know
+        whether their forward value was finite (a NaN the forward named is not named again as
+        the backward's own)."""
+        if not values:
+            return
+        try:
+            bw = deferred.start_backward(self)
+        except RuntimeError:  # (not inside a backward after all: nothing to join)
+            return
+        bw.records.append((made, None, bw.slots_of(values), [], None))
 
     def _call(self, func, hit, args, kwargs, outs, before, made=None) -> tuple:
         """What the check of a call needs once its verdict is read (nanpass.enable): its site
@@ -341,7 +356,7 @@ class Watch:
             in_nan = in_nan or nan
         if nan and not in_nan and constant:
             # a NaN constant (torch.tensor(nan), a NaN fill a nan-reduction ignores): on purpose
-            self.origins[o] = _Origin(self._site(func, hit), "made on purpose (a NaN constant) by")
+            self._born(o, _Origin(self._site(func, hit), "made on purpose (a NaN constant) by"))
             return
         if nan and not in_nan:
             origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
@@ -369,18 +384,18 @@ class Watch:
                     param = any(isinstance(t, torch.nn.Parameter) for t in nans)
                     origin = _Origin(site, "already in a parameter (an earlier step put it there) "
                                      "read by" if param else "first seen in an operand of")
-                self.origins[o] = origin
+                self._born(o, origin)
             return
         if in_inf:  # an infinity travelling on
             origin = next((x for x in map(self._origin, in_inf) if x is not None), None)
             if origin is None:  # from the input, or code nanpass did not watch
                 origin = _Origin(self._site(func, hit), "first seen in an operand of")
-            self.origins[o] = origin
+            self._born(o, origin)
             return
         # an Inf from finite operands: on purpose (a constant, a pole) or an overflow
         site = self._site(func, hit)
         if constant:
-            self.origins[o] = _Origin(site, "made on purpose (an infinite constant) by")
+            self._born(o, _Origin(site, "made on purpose (an infinite constant) by"))
             return
         if hit is not None and hit[0].poles:
             operands = (args[1], args[0], *args[2:]) if hit[2] else args
@@ -389,7 +404,7 @@ class Watch:
             if isinstance(x, Tensor) and readable(x) and x.dim() <= o.dim():
                 at = torch.isin(x, torch.tensor(hit[0].poles, dtype=x.dtype, device=x.device))
                 if bool((torch.isinf(o) & at).any()):
-                    self.origins[o] = _Origin(site, f"made at a pole of {hit[0].name} by")
+                    self._born(o, _Origin(site, f"made at a pole of {hit[0].name} by"))
                     return
         self._emit("forward", "Inf", site,
                    f"Inf created by {site}\n  an overflow past the {str(o.dtype)[6:]} maximum "
@@ -400,6 +415,11 @@ class Watch:
         if o is None and is_view(t):
             o = self.origins.get(view_base(t))
         return o
+
+    def _born(self, t: Tensor, origin: _Origin) -> None:
+        """An infinity (or a NaN constant) made on purpose, remembered with where."""
+        self.origins[t] = origin
+        self.born += 1
 
     def _emit(self, phase, kind, site, text, inputs=(), created=True) -> None:
         """Report ``text`` with each operand described (None: an operand freed before a
@@ -533,7 +553,8 @@ class Watch:
 
     def backward_ended(self, bw: Backward) -> None:
         if self.program:  # read with the calls after it: before the optimizer step, at the
-            self._backwards.append(bw)  # next backward or when enable ends (one read a step)
+            bw.explained = self.found  # next backward or when enable ends (one read a step)
+            self._backwards.append(bw)
         else:
             self.backward_verdicts(bw)
 
@@ -543,6 +564,10 @@ class Watch:
         st = read(bw.scalars) if st is None else st
         for made, name, given, received, shapes in bw.records:
             bad = [st[k] for k in given if st[k] != FINITE]
+            if name is None:  # a recomputed forward value (``_recomputed``)
+                if bad:
+                    made.nonfinite = True
+                continue
             if made is None:  # the gradient reaching an output, from the loss
                 if bad:
                     self.output_grad(name, shapes)
@@ -590,6 +615,7 @@ class Watch:
         st = read(scalars)  # the one read
         k = 0
         for bw in backwards:  # (each ran before the calls still pending)
+            self.found = self.found or bw.explained  # (a NaN its forward had, named already)
             self.backward_verdicts(bw, st[k:k + len(bw.scalars)])
             k += len(bw.scalars)
         st = st[k:]
@@ -669,7 +695,7 @@ class Watch:
                 by_slot[k] = origin
                 o = ref_.get()
                 if o is not None:
-                    self.origins[o] = origin
+                    self._born(o, origin)
             if r.made is not None:
                 r.made.nonfinite = True
 

@@ -275,13 +275,13 @@ def _eager(t):
 class _Breaks(nn.Module):
     """Two graphs: the gradient turns infinite in the first one's backward (d sqrt at 0)."""
 
-    def __init__(self):
+    def __init__(self, at_input=False):
         super().__init__()
-        self.fc = nn.Linear(4, 4)
+        self.fc, self.at_input = nn.Linear(4, 4), at_input
 
     def forward(self, x):
         h = self.fc(x)
-        y = torch.sqrt(h - h)
+        y = torch.sqrt(h - h + x) if self.at_input else torch.sqrt(h - h)  # (h - h is 0 exactly)
         return _eager(y) * 2
 
 
@@ -315,6 +315,38 @@ def test_compiled_check_names_a_nan_parameter():
             safe(torch.randn(3, 4))
     finally:
         torch._dynamo.reset()
+
+
+def test_compiled_check_checks_each_backward_of_interleaved_forwards():
+    """Two forwards, then their two backwards: each backward's check is its own forward's (a
+    hook on the parameters fires in the first backward that reaches them, whichever it is)."""
+    torch.manual_seed(0)
+    m = _Breaks(at_input=True)
+    safe = torch.compile(nanpass.harden(m, mode="check"), backend="aot_eager")
+    try:
+        good = safe(torch.full((3, 4), 4.0))  # d sqrt at 4: finite
+        bad = safe(torch.zeros(3, 4))  # d sqrt at 0: infinite
+        good.sum().backward()
+        with pytest.raises(nanpass.NonFiniteError, match=r"SqrtBackward0"):
+            bad.sum().backward()
+    finally:
+        torch._dynamo.reset()
+
+
+def test_enable_warns_once_for_a_nan_its_backward_carries():
+    """nanpass.enable in warn mode: a NaN made in the forward is named once; the backward that
+    only carries it is not named again as its own."""
+    import warnings
+
+    m = nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanpass.enable(mode="warn"):
+            m(torch.sqrt(-torch.ones(3, 4))).sum().backward()
+            opt.step()
+    found = [str(w.message) for w in caught if issubclass(w.category, nanpass.NonFiniteWarning)]
+    assert len(found) == 1 and found[0].startswith("nanpass: NaN created by torch.sqrt"), found
 
 
 class _Ratio(nn.Module):
