@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._compat import foreach_norm
+from ._compat import at_backward_end, foreach_norm
 from ._errors import NanpassError
 
 Tensor = torch.Tensor
@@ -323,6 +323,18 @@ def gradients_finite(grads) -> bool:
     return bool(torch.isfinite(torch.stack([n.float() for n in foreach_norm(grads)]).sum()))
 
 
+class _Handles:
+    __slots__ = ("handles",)
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque, one_graph: bool = True) -> None:
     """Once the backward from ``outs`` has given every gradient of ``inputs`` (the graph's
     inputs that need one: the parameters among them), one fused check of those gradients;
@@ -356,21 +368,34 @@ def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque,
                                   if nr < len(grad_outputs) and grad_outputs[nr] is not None})
 
         handle = next(iter(nodes)).register_hook(after_node)
-    else:  # outputs from several nodes (a view of an input among them)
+    else:  # outputs from several nodes (a view of an input among them), several graphs
         upstream: dict[int, Tensor] = {}
         for k, o in enumerate(watched):
             o.register_hook(lambda g, k=k: upstream.__setitem__(k, g))
+        grads: dict[int, Tensor] = {}
+        armed: list = []
 
-        def after(grads):
+        def finish():
+            armed.clear()
             if not upstream:  # another forward's backward reached the leaves: not this one's
+                grads.clear()
                 return
             handle.remove()
             try:
-                verdict(grads, upstream)
+                verdict(list(grads.values()), upstream)
             finally:
                 upstream.clear()  # (the outputs' hooks hold it as long as the outputs live)
+                grads.clear()
 
-        handle = torch.autograd.graph.register_multi_grad_hook(inputs, after)
+        def on_grad(i):
+            def hook(g):  # (a tensor hook: autograd.grad runs it too, a multi-grad hook not)
+                grads[i] = g
+                if not armed:
+                    armed.append(True)
+                    at_backward_end(finish)
+            return hook
+
+        handle = _Handles([t.register_hook(on_grad(i)) for i, t in enumerate(inputs)])
     pending.append(handle)
     while len(pending) > _PENDING:
         pending.popleft().remove()

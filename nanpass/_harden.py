@@ -137,7 +137,9 @@ class Hardened(torch.nn.Module):
         """``torch.compile(harden(m, mode="check"))``: the compiled forward collects one scalar
         per new value (``_intercept._noted``) with the inputs' and the outputs', and hands them,
         in one tensor, to ``_settle``, which runs eagerly after the graph and reads them once.
-        Two graph breaks: before the forward (its random state, for a run again) and after."""
+        Two graph breaks: before the forward (its random state, for a run again) and after.
+        (Eager check mode keeps a record per call and a hook per autograd node instead, which
+        also see a gradient penalty's second backward; ``_deferred.py``.)"""
         rng = _eagerly(_begin)()
         sites, model = self._nanpass_sites, self._nanpass_model
         noted: list = []

@@ -333,6 +333,21 @@ def test_compiled_check_checks_each_backward_of_interleaved_forwards():
         torch._dynamo.reset()
 
 
+def test_compiled_check_under_autograd_grad():
+    """torch.autograd.grad (a gradient penalty's first step, functional training loops): the
+    backward check runs there too, and a finite one is left alone."""
+    torch.manual_seed(0)
+    m = _Breaks(at_input=True)
+    safe = torch.compile(nanpass.harden(m, mode="check"), backend="aot_eager")
+    try:
+        (g,) = torch.autograd.grad(safe(torch.full((3, 4), 4.0)).sum(), [m.fc.weight])
+        assert torch.isfinite(g).all() and m.fc.weight.grad is None
+        with pytest.raises(nanpass.NonFiniteError, match=r"SqrtBackward0"):
+            torch.autograd.grad(safe(torch.zeros(3, 4)).sum(), [m.fc.weight])
+    finally:
+        torch._dynamo.reset()
+
+
 def test_enable_warns_once_for_a_nan_its_backward_carries():
     """nanpass.enable in warn mode: a NaN made in the forward is named once; the backward that
     only carries it is not named again as its own."""
