@@ -70,7 +70,7 @@ class Hardened(torch.nn.Module):
         mode = self._nanpass_config.mode
         watch = sites.checker
         if torch.compiler.is_compiling():  # (first: a traced ContextVar read graph-breaks)
-            if watch is not None and watch.deferred:
+            if watch is not None and watch.deferring:  # (a plain attribute: dynamo reads it)
                 return self._compiled_once(args, kwargs)
         elif watch is not None and watch.deferred and watch.pending is None and COLLECT.get() is None \
                 and not functorch_active():
@@ -174,13 +174,12 @@ class Hardened(torch.nn.Module):
                         copy_ = copies[id(b)] = (b, b.detach().clone())
                     setattr(mod, name, copy_[1])
         _set_rng_state(rng)
-        watch.deferred = False
         try:
-            out = self._forward_mode(*args, **kwargs)
-            if backward is not None:
-                backward(out)
+            with watch.at_each_op():
+                out = self._forward_mode(*args, **kwargs)
+                if backward is not None:
+                    backward(out)
         finally:
-            watch.deferred = True
             _set_rng_state(after)
             for mod, name, b in held:
                 setattr(mod, name, b)

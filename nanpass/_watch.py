@@ -186,7 +186,7 @@ class Watch:
         self.found = False  # something was reported since the last reset (warn, locate)
         # verdicts kept on the device and read once after the forward and the backward
         # (_deferred.py); False: read at each op (stop_at_op=True, nanpass.locate, enable)
-        self.deferred = deferred
+        self.deferring = deferred
         self._local = threading.local()  # the forward being collected, per thread
         self.pending_backward: Backward | None = None
         self._poles: dict = {}
@@ -202,6 +202,21 @@ class Watch:
         self.born = 0  # infinities made on purpose seen (a run again that saw none, saw nothing)
         self.compiled_pending: collections.deque = collections.deque()
 
+    @property
+    def deferred(self) -> bool:
+        """Verdicts kept on the device, except in this thread's run again at each op."""
+        return self.deferring and not getattr(self._local, "again", False)
+
+    @contextlib.contextmanager
+    def at_each_op(self):
+        """This thread's calls checked at each op (a run again that names the op): other
+        threads running the same model keep their verdicts on the device."""
+        self._local.again = True
+        try:
+            yield
+        finally:
+            self._local.again = False
+
     @contextlib.contextmanager
     def recomputing(self):
         """A checkpointed region's recompute in backward: the values the forward made and the
@@ -215,7 +230,7 @@ class Watch:
 
     def start_program(self) -> None:
         """nanpass.enable's check: verdicts on the device, read at the step's few points."""
-        self.deferred = self.program = True
+        self.deferring = self.program = True
 
     @property
     def pending(self) -> Forward | None:
