@@ -59,6 +59,15 @@ MOVE_ONLY = frozenset({
     "index_select", "gather", "take_along_dim", "roll", "flip", "repeat", "tile", "tril", "triu",
     "unfold", "diagonal", "as_strided", "real", "imag", "mT", "mH"})
 
+# of those, the calls whose backward only moves a gradient too (a view's, a concatenation's):
+# eager check mode's collecting pass lets them run as called (their results are views, or
+# copies a later call reads as values of their own; the run again at each op watches them)
+REARRANGE = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "t", "permute", "split",
+    "split_with_sizes", "chunk", "unbind", "narrow", "select", "squeeze", "unsqueeze", "flatten",
+    "unflatten", "contiguous", "clone", "detach", "cat", "concat", "concatenate", "stack",
+    "movedim", "moveaxis", "swapaxes", "swapdims"})
+
 _OPERATORS = {
     "__add__": "+", "__radd__": "+", "__iadd__": "+=", "__sub__": "-", "__rsub__": "-",
     "__isub__": "-=", "__mul__": "*", "__rmul__": "*", "__imul__": "*=", "__truediv__": "/",
@@ -201,6 +210,12 @@ class Watch:
         self.quiet: set = set()
         self.born = 0  # infinities made on purpose seen (a run again that saw none, saw nothing)
         self.compiled_pending: collections.deque = collections.deque()
+
+    def collecting(self) -> bool:
+        """A hardened forward's verdicts are being collected on the device in this thread
+        (not nanpass.enable's program, whose records make its findings; not locate)."""
+        return (not self.program and getattr(self._local, "forward", None) is not None
+                and COLLECT.get() is None)
 
     @property
     def deferred(self) -> bool:
