@@ -195,30 +195,36 @@ class _Bad(nn.Module):
         return torch.sqrt(h - h)  # backward: d sqrt at 0 is infinite, from a finite gradient
 
 
+def _finding(where, mode, stop_at_op, compiled=False):
+    """The first error or NonFiniteWarning of one step of ``_Bad(where)``, and the running
+    statistics after it."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = _Bad(where)
+    safe = nanpass.harden(m, mode=mode, stop_at_op=stop_at_op, watch=None)
+    if compiled:
+        safe = torch.compile(safe, backend="aot_eager")
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            safe(x).sum().backward()
+        except nanpass.NonFiniteError as e:
+            return str(e), m.bn.running_mean.clone()
+        finally:
+            torch._dynamo.reset()
+    found = [str(w.message) for w in caught if issubclass(w.category, nanpass.NonFiniteWarning)]
+    return found[0] if found else None, m.bn.running_mean.clone()
+
+
 @pytest.mark.parametrize("where", ["forward-nan", "forward-overflow", "mask-then-nan", "backward"])
 @pytest.mark.parametrize("mode", ["check", "warn"])
 def test_the_finding_is_the_one_the_check_at_each_op_makes(where, mode):
     """One read a step, and the same finding as ``stop_at_op=True``: the op, its module, the
     user's line, and (forward) its operands."""
-
-    def finding(stop_at_op):
-        torch.manual_seed(0)
-        m = _Bad(where)
-        safe = nanpass.harden(m, mode=mode, stop_at_op=stop_at_op, watch=None)
-        x = torch.randn(6, 4)
-        import warnings
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                safe(x).sum().backward()
-            except nanpass.NonFiniteError as e:
-                return str(e), m.bn.running_mean.clone()
-        found = [str(w.message) for w in caught if issubclass(w.category, nanpass.NonFiniteWarning)]
-        return found[0] if found else None, m.bn.running_mean.clone()
-
-    got, stats = finding(False)
-    want, want_stats = finding(True)
+    got, stats = _finding(where, mode, False)
+    want, want_stats = _finding(where, mode, True)
     assert got is not None and want is not None
     if where == "backward":  # named at the same node and line; the values are read once
         assert got.split("\n")[:2] == want.split("\n")[:2]
@@ -235,29 +241,8 @@ def test_compiled_check_names_what_eager_check_names(where, mode):
     """torch.compile(harden(m, mode="check")): two reads a step, and on a finding the step runs
     again eagerly with the check at each op, which names the op, its module, the user's line,
     its operands, and where an infinity made on purpose was born; in backward, the node."""
-
-    def finding(compiled):
-        import warnings
-
-        torch.manual_seed(0)
-        m = _Bad(where)
-        safe = nanpass.harden(m, mode=mode, stop_at_op=not compiled, watch=None)
-        if compiled:
-            safe = torch.compile(safe, backend="aot_eager")
-        x = torch.randn(6, 4)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                safe(x).sum().backward()
-            except nanpass.NonFiniteError as e:
-                return str(e), m.bn.running_mean.clone()
-            finally:
-                torch._dynamo.reset()
-        found = [str(w.message) for w in caught if issubclass(w.category, nanpass.NonFiniteWarning)]
-        return found[0] if found else None, m.bn.running_mean.clone()
-
-    got, stats = finding(True)
-    want, want_stats = finding(False)
+    got, stats = _finding(where, mode, False, compiled=True)
+    want, want_stats = _finding(where, mode, True)
     assert got is not None and want is not None
     if where == "backward":
         assert got.split("\n")[:2] == want.split("\n")[:2]
