@@ -479,7 +479,7 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
                 safe._check_again(args, kwargs, rng, "definite" if definite else "maybe")
                 if not watch.found and not definite:
                     if watch.born == born:  # the eager run made no infinity: not reproduced
-                        _not_reproduced(safe, "an infinity in the forward")
+                        _not_reproduced(safe, "forward", "an infinity in the forward")
                     elif len(watch.quiet) < _QUIET:  # made on purpose, as the eager run saw
                         watch.quiet.add(key)
     if torch.is_grad_enabled():
@@ -497,7 +497,7 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
             with torch.enable_grad():
                 safe._check_again(args, kwargs, rng, None, backward)
             if not watch.found:
-                _not_reproduced(safe, "a non-finite gradient in the backward")
+                _not_reproduced(safe, "backward", "a non-finite gradient in the backward")
 
         # (a model that graph-breaks made its output in its last graph: that graph's node
         # does not give the parameters' gradients of the graphs before it)
@@ -508,9 +508,9 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
 _QUIET = 64  # patterns of infinities made on purpose that a compiled check-mode model remembers
 
 
-def _not_reproduced(safe: Hardened, what: str) -> None:
+def _not_reproduced(safe: Hardened, phase: str, what: str) -> None:
     safe._nanpass_sites.checker._emit(
-        "forward" if "forward" in what else "backward", "NaN/Inf", None,
+        phase, "NaN/Inf", None,
         f"{what} of the compiled {type(safe._nanpass_model).__name__}, which its run again eagerly "
         f"with a check at each op did not reproduce (a random draw the compiled graph makes "
         f"differently, or inductor's own rounding); harden(model, mode="

@@ -57,7 +57,7 @@ MOVE_ONLY = frozenset({
     "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "contiguous", "detach", "clone",
     "cat", "concat", "concatenate", "stack", "movedim", "moveaxis", "swapaxes", "swapdims",
     "index_select", "gather", "take_along_dim", "roll", "flip", "repeat", "tile", "tril", "triu",
-    "unfold", "diagonal", "as_strided", "real", "imag", "mT", "mH"})
+    "unfold", "diagonal", "as_strided", "real", "imag"})
 
 # of those, the calls whose backward only moves a gradient too (a view's, a concatenation's):
 # eager check mode's collecting pass lets them run as called (their results are views, or

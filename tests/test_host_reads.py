@@ -333,6 +333,26 @@ def test_compiled_check_under_autograd_grad():
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_compiled_check_says_when_the_eager_run_does_not_reproduce(where, monkeypatch):
+    """A compiled step whose finding the eager run again does not make (a random draw the
+    graph makes differently, inductor's rounding; here: a run again that runs nothing) is
+    reported as not reproduced, never dropped, and never remembered as quiet."""
+    monkeypatch.setattr(nanpass.Hardened, "_check_again", lambda *a, **k: None)
+    if where == "forward":  # infinities only: a pattern that may be made on purpose
+        model, args = _Ratio(), (torch.full((4,), 1e10), torch.tensor([0.0, 1.0, 2.0, 4.0]))
+    else:
+        model, args = _Breaks(), (torch.randn(3, 4),)
+    safe = torch.compile(nanpass.harden(model, mode="check", watch=None), backend="aot_eager")
+    try:
+        for _ in range(2):
+            with pytest.raises(nanpass.NonFiniteError, match=rf"^nanpass: an? .* in the {where} of the "
+                               rf"compiled {type(model).__name__}, which its run again eagerly"):
+                safe(*args).sum().backward()
+    finally:
+        torch._dynamo.reset()
+
+
 def test_enable_warns_once_for_a_nan_its_backward_carries():
     """nanpass.enable in warn mode: a NaN made in the forward is named once; the backward that
     only carries it is not named again as its own."""
