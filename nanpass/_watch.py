@@ -49,17 +49,7 @@ _MOVES = frozenset({
     "CatBackward0", "StackBackward0", "CloneBackward0", "AliasBackward0", "NegBackward0",
     "MaskedFillBackward0", "ViewAsRealBackward0", "UnfoldBackward0"})
 
-# calls that only move or select values already made (compiled check mode notes no new
-# value for them; a cast, which can overflow, is not among them)
-MOVE_ONLY = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "transpose", "t", "permute", "split",
-    "split_with_sizes", "chunk", "unbind", "narrow", "select", "__getitem__", "expand",
-    "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "contiguous", "detach", "clone",
-    "cat", "concat", "concatenate", "stack", "movedim", "moveaxis", "swapaxes", "swapdims",
-    "index_select", "gather", "take_along_dim", "roll", "flip", "repeat", "tile", "tril", "triu",
-    "unfold", "diagonal", "as_strided", "real", "imag"})
-
-# of those, the calls whose backward only moves a gradient too (a view's, a concatenation's):
+# calls whose value and backward only move values already made (a view's, a concatenation's):
 # eager check mode's collecting pass lets them run as called (their results are views, or
 # copies a later call reads as values of their own; the run again at each op watches them)
 REARRANGE = frozenset({
@@ -67,6 +57,13 @@ REARRANGE = frozenset({
     "split_with_sizes", "chunk", "unbind", "narrow", "select", "squeeze", "unsqueeze", "flatten",
     "unflatten", "contiguous", "clone", "detach", "cat", "concat", "concatenate", "stack",
     "movedim", "moveaxis", "swapaxes", "swapdims"})
+
+# and the calls whose value only selects or repeats values already made, though their backward
+# sums (compiled check mode notes no new value for any of these; a cast, which can overflow, is
+# not among them)
+MOVE_ONLY = REARRANGE | {
+    "__getitem__", "expand", "expand_as", "index_select", "gather", "take_along_dim", "roll",
+    "flip", "repeat", "tile", "tril", "triu", "unfold", "diagonal", "as_strided", "real", "imag"}
 
 _OPERATORS = {
     "__add__": "+", "__radd__": "+", "__iadd__": "+=", "__sub__": "-", "__rsub__": "-",
