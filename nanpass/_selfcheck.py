@@ -15,6 +15,7 @@ second of work, once).
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import warnings
 from dataclasses import dataclass
@@ -162,26 +163,61 @@ def wanted(option: bool | None) -> bool:
     return torch_release() not in [torch_release(v) for v in TESTED]
 
 
+class _Worker:
+    """nanpass's own thread, kept for the process, that runs the check where no mode of the
+    caller's (a nanpass check already on, a user's dispatch mode) sees its calls.
+
+    It never ends: a thread that ran a backward frees torch's thread-local Python objects as
+    it ends, after ``join`` has returned, and on torch 2.12 that races the interpreter's exit
+    and aborts the process ("terminate called without an active exception"; torch 2.13 erases
+    the object, ``torch/autograd/graph.py``). Idle, it waits on a queue without the GIL and
+    ends with the process."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def call(self, fn):
+        if self._thread is None or not self._thread.is_alive():  # (first use, or a forked child)
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, name="nanpass-selfcheck",
+                                            daemon=True)
+            self._thread.start()
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs.put((fn, done))
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    def _serve(self):
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                done.put((True, fn()))
+            except BaseException as e:  # (handed to the caller, who raises it)
+                done.put((False, e))
+
+
+_WORKER = _Worker()
+
+
+def _run_forked_rng():
+    with torch.random.fork_rng(devices=[]):
+        return run_selfcheck()
+
+
 def failures() -> dict[str, list[Failure]]:
-    """The process's verdicts, computed on first use: in a thread of its own, where no mode
-    of the caller's (a nanpass check already on, a user's dispatch mode) sees its calls, and
+    """The process's verdicts, computed on first use in nanpass's own thread (``_Worker``),
     with the random state put back as it was (the samples seed it)."""
     global _VERDICT
     with _LOCK:
         if _VERDICT is None:
-            got: list = []
-
-            def run():
-                with torch.random.fork_rng(devices=[]):
-                    got.append(run_selfcheck())
-
-            t = threading.Thread(target=run, name="nanpass-selfcheck")
-            t.start()
-            t.join()
-            if not got:  # (it raised: nothing to show but that)
-                raise SelfCheckError("nanpass: the self-check of the guards failed to run; "
-                                     "selfcheck=False skips it")
-            _VERDICT = got[0]
+            try:
+                _VERDICT = _WORKER.call(_run_forked_rng)
+            except Exception as e:
+                raise SelfCheckError("nanpass: the self-check of the guards failed to run "
+                                     f"({type(e).__name__}: {e}); selfcheck=False skips it") from e
         return _VERDICT
 
 

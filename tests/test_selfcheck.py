@@ -5,11 +5,14 @@ suite runs it on every tested torch (``NANPASS_SELFCHECK=1`` in conftest)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import nanpass
 from nanpass import _selfcheck
+from nanpass._compat import function_mode_stack
 from nanpass._rules import BY_NAME, RULES
 
 
@@ -84,3 +87,43 @@ def test_a_tested_torch_does_not_check_unless_asked(broken_log, monkeypatch):
 def test_the_option_is_a_bool():
     with pytest.raises(nanpass.ConfigError, match=r"^nanpass: selfcheck must be True or False"):
         nanpass.harden(_Log(), selfcheck="no")
+
+
+def test_the_thread_that_ran_the_check_lives_on(monkeypatch):
+    """A thread that ran a backward frees torch's thread-local Python objects as it ends, after
+    ``join`` returned; on torch 2.12 that raced the interpreter's exit and aborted one process
+    in ten ("terminate called without an active exception", CI on 2.12.1). So the check runs
+    in a thread that never ends, the same one each time, with the caller's modes out of sight."""
+    seen = []
+
+    def check(rules=None):
+        seen.append((threading.current_thread(), function_mode_stack()))
+        return {}
+
+    monkeypatch.setattr(_selfcheck, "run_selfcheck", check)
+    _selfcheck.forget()
+    try:
+        with nanpass.enable("check"):  # a mode of the caller's
+            _selfcheck.failures()
+        _selfcheck.forget()
+        _selfcheck.failures()
+    finally:
+        _selfcheck.forget()
+    (first, modes), (second, _) = seen
+    assert first is second and first is not threading.current_thread() and modes == []
+    assert first.is_alive() and first.daemon
+
+
+def test_a_check_that_cannot_run_says_why(monkeypatch):
+    def check(rules=None):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(_selfcheck, "run_selfcheck", check)
+    _selfcheck.forget()
+    try:
+        with pytest.raises(_selfcheck.SelfCheckError,
+                           match=r"^nanpass: the self-check of the guards failed to run "
+                                 r"\(MemoryError: no room\); selfcheck=False skips it"):
+            _selfcheck.failures()
+    finally:
+        _selfcheck.forget()
