@@ -289,6 +289,34 @@ def test_compiled_check_sees_a_gradient_made_in_an_earlier_graph():
     assert "SqrtBackward0" in str(compiled.value)
 
 
+class _ReadTwice(nn.Module):
+    """A weight read in two graphs: its gradient is the sum of what each graph's node gives,
+    and the second's is NaN (d sqrt at 0 times 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = _eager(self.fc(x))
+        return torch.sqrt(y - y + self.fc.weight.sum() * 0)
+
+
+def test_compiled_check_sees_a_gradient_of_a_weight_two_graphs_read():
+    torch.manual_seed(0)
+    m = _ReadTwice()
+    x = torch.randn(3, 4)
+    with pytest.raises(nanpass.NonFiniteError) as eager:
+        nanpass.harden(m, mode="check", stop_at_op=True)(x).sum().backward()
+    safe = torch.compile(nanpass.harden(m, mode="check"), backend="aot_eager")
+    try:
+        with pytest.raises(nanpass.NonFiniteError) as compiled:
+            safe(x).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert str(compiled.value).split("\n")[:2] == str(eager.value).split("\n")[:2]
+
+
 def test_compiled_check_names_a_nan_parameter():
     """A NaN already in a parameter (a checkpoint, an earlier step) is seen in what the op that
     reads it makes, and named as the parameter's, as eager check mode names it."""
