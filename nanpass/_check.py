@@ -315,12 +315,20 @@ tap.__module__ = "nanpass"
 _PENDING = 8  # forwards whose backward check may still be waiting (pipelined micro-batches)
 
 
-def gradients_finite(grads) -> bool:
-    """One fused check (one read) of a backward's gradients."""
+def gradient_scalar(grads) -> Tensor | None:
+    """One fused reduction of gradients on their device (no read): finite exactly when each
+    is (a norm that passes the largest float only runs the step again)."""
     grads = [g for g in grads if g is not None and g.is_floating_point() and g.numel()]
     if not grads:
-        return True
-    return bool(torch.isfinite(torch.stack([n.float() for n in foreach_norm(grads)]).sum()))
+        return None
+    with torch.no_grad():  # (create_graph: not a node of the graph)
+        return torch.stack([n.float() for n in foreach_norm(grads)]).sum()
+
+
+def gradients_finite(grads) -> bool:
+    """One fused check (one read) of a backward's gradients."""
+    s = gradient_scalar(grads)
+    return s is None or bool(torch.isfinite(s))
 
 
 class _Handles:
@@ -338,7 +346,7 @@ class _Handles:
 def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque, one_graph: bool = True) -> None:
     """Once the backward from ``outs`` has given every gradient of ``inputs`` (the graph's
     inputs that need one: the parameters among them), one fused check of those gradients;
-    only when one is not finite, ``on_hit(grads, upstream)`` with the gradients each output
+    only when one is not finite, ``on_hit(upstream)`` with the gradients each output
     received (by its index among the outputs that require one), to run the step again.
     A multi-grad hook on leaves lives until removed: each is removed when it fires, and at
     most ``_PENDING`` wait for a backward (forwards with grad and no backward).
@@ -350,7 +358,7 @@ def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque,
 
     def verdict(grads, upstream):
         if not gradients_finite(grads):  # the one read
-            on_hit(grads, upstream)
+            on_hit(upstream)
 
     nodes = {o.grad_fn for o in watched}
     if one_graph and len(nodes) == 1 and None not in nodes:
@@ -372,39 +380,43 @@ def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque,
         upstream: dict[int, Tensor] = {}
         for k, o in enumerate(watched):
             o.register_hook(lambda g, k=k: upstream.__setitem__(k, g))
-        grads: dict[int, Tensor] = {}
+        # a scalar of each hook's gradients, made as they arrive: holding the gradients till
+        # the backward ends would make AccumulateGrad copy each one into .grad, not keep it
+        partial: list[Tensor] = []
         armed: list = []
 
         def finish():
             armed.clear()
             if not upstream:  # another forward's backward reached the leaves: not this one's
-                grads.clear()
+                partial.clear()
                 return
             handle.remove()
             try:
-                verdict(list(grads.values()), upstream)
+                if partial and not bool(torch.isfinite(torch.stack(
+                        [p.to(partial[0].device) for p in partial]).sum())):  # the one read
+                    on_hit(upstream)
             finally:
                 upstream.clear()  # (the outputs' hooks hold it as long as the outputs live)
-                grads.clear()
+                partial.clear()
 
-        def got(i, g):
-            grads[i] = g
+        def got(grads):
+            s = gradient_scalar(grads)
+            if s is not None:
+                partial.append(s)
             if not armed:
                 armed.append(True)
                 at_backward_end(finish)
 
         givers = _givers(inputs, watched)
         if givers is not None:  # a post hook on each node that gives a leaf its gradient
-            def after(slots):
+            def after(places):
                 def hook(grad_inputs, grad_outputs):
-                    for i, pos in slots:
-                        if grad_inputs[pos] is not None:
-                            got(i, grad_inputs[pos])
+                    got([grad_inputs[pos] for pos in places])
                 return hook
 
-            handle = _Handles([n.register_hook(after(slots)) for n, slots in givers])
+            handle = _Handles([n.register_hook(after(places)) for n, places in givers])
         else:  # (a tensor hook: autograd.grad runs it too, a multi-grad hook not)
-            handle = _Handles([t.register_hook(lambda g, i=i: got(i, g)) for i, t in enumerate(inputs)])
+            handle = _Handles([t.register_hook(lambda g: got([g])) for t in inputs])
     pending.append(handle)
     while len(pending) > _PENDING:
         pending.popleft().remove()
@@ -415,7 +427,7 @@ _WALK = 64  # nodes walked back from a compiled forward's outputs to find its le
 
 def _givers(leaves_: list, outs: list) -> list | None:
     """The nodes that give each leaf of ``leaves_`` its gradient, walking back from ``outs``,
-    with each leaf's place among the gradients the node gives: (node, [(leaf index, place)]).
+    with the leaves' places among the gradients the node gives: (node, [place, ...]).
     A compiled graph is one node giving every parameter its gradient, so one post hook
     replaces a tensor hook per parameter (5 points of a compiled GPT-2 step on the CPU).
     None (hook each leaf) where a leaf has two givers (its gradient is their sum, which a
@@ -445,7 +457,7 @@ def _givers(leaves_: list, outs: list) -> list | None:
             if i in placed:
                 return None
             placed.add(i)
-            by_node.setdefault(n, []).append((i, pos))
+            by_node.setdefault(n, []).append(pos)
     return list(by_node.items())
 
 
@@ -480,7 +492,7 @@ def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device |
         for event in found:
             _report(event, warn)
 
-    def replay(grads, upstream: dict, args) -> None:
+    def replay(upstream: dict, args) -> None:
         """On a hit: the graph again, node by node, with the same upstream gradients."""
         replay = [a.detach().requires_grad_() if isinstance(a, Tensor) and a.requires_grad else a
                   for a in args]
@@ -496,7 +508,7 @@ def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device |
         check(outs.pop(), args)
         if torch.is_grad_enabled() and eager is not None:
             inputs = [a for a in (*args, *tapped) if isinstance(a, Tensor) and a.requires_grad]
-            watch_backward(inputs, outs, lambda grads, upstream: replay(grads, upstream, args), pending)
+            watch_backward(inputs, outs, lambda upstream: replay(upstream, args), pending)
         return outs
 
     return run

@@ -487,7 +487,7 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
         inputs = [p for p in model.parameters() if p.requires_grad]
         inputs += [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
 
-        def on_hit(grads, upstream):
+        def on_hit(upstream):
             def backward(again):
                 outs = [o for o in leaves(again) if isinstance(o, torch.Tensor) and o.requires_grad]
                 pairs = [(o, upstream[k]) for k, o in enumerate(outs) if k in upstream]

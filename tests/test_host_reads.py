@@ -585,3 +585,70 @@ def test_enable_reads_a_forward_with_no_backward_at_the_end(where):
     want = _program_finding(where, "check", True, no_grad=True)
     assert got is not None and want is not None
     _same_finding(got, want)
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((3, 4), 2.0))
+        self.b = nn.Parameter(torch.ones(3, 4))
+
+    def forward(self, x):
+        return torch.tanh(x * self.w + self.b)
+
+
+def _given_then_kept(model, run) -> list[bool]:
+    """Whether each parameter's .grad after ``run(model)`` is the very tensor the node before
+    it gave (AccumulateGrad keeps it when nothing else holds it, and copies it otherwise)."""
+    given: set = set()
+    params = {id(p) for p in model.parameters()}
+
+    def giving(out):
+        todo, seen = [out.grad_fn], set()
+        while todo:
+            n = todo.pop()
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            places = [k for k, (c, _) in enumerate(n.next_functions)
+                      if type(c).__name__ == "AccumulateGrad" and id(c.variable) in params]
+            if places:
+                n.register_hook(lambda gi, go, places=places: given.update(gi[k].data_ptr() for k in places))
+            todo.extend(c for c, _ in n.next_functions if c is not None)
+
+    run(model, giving)
+    return [p.grad.data_ptr() in given for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["compile(harden(check))", "backend(check)", "harden(check)"])
+def test_check_mode_keeps_each_gradient_as_the_plain_model_does(how):
+    """A check that held the backward's gradients until it ends made AccumulateGrad copy each
+    one into .grad (a copy of every gradient, each step); the check holds scalars only, so
+    .grad is the gradient given wherever the plain model's is (``+ b`` passes one gradient on
+    to two places: autograd copies that one for both)."""
+    compiled = how != "harden(check)"
+
+    def kept(wrap):
+        torch.manual_seed(0)
+        model = _Scale()
+        safe = wrap(model)
+
+        def run(m, giving):
+            out = safe(torch.randn(3, 4))
+            giving(out)
+            out.sum().backward()
+
+        try:
+            return _given_then_kept(model, run)
+        finally:
+            torch._dynamo.reset()
+
+    plain = kept(lambda m: torch.compile(m, backend="aot_eager") if compiled else m)
+    assert plain == ([True, True] if compiled else [True, False])  # (a graph gives its own)
+    if how == "compile(harden(check))":
+        got = kept(lambda m: torch.compile(nanpass.harden(m, mode="check"), backend="aot_eager"))
+    elif how == "backend(check)":
+        got = kept(lambda m: torch.compile(m, backend=nanpass.backend(inner="aot_eager", mode="check")))
+    else:
+        got = kept(lambda m: nanpass.harden(m, mode="check"))
+    assert got == plain
