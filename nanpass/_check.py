@@ -317,12 +317,27 @@ _PENDING = 8  # forwards whose backward check may still be waiting (pipelined mi
 
 def gradient_scalar(grads) -> Tensor | None:
     """One fused reduction of gradients on their device (no read): finite exactly when each
-    is (a norm that passes the largest float only runs the step again)."""
-    grads = [g for g in grads if g is not None and g.is_floating_point() and g.numel()]
-    if not grads:
+    is. Per dtype, as ``_deferred.scalar`` takes one: the sum of magnitudes in a wider float
+    (a float32 gradient of 1e30 is finite; its squares, a 2-norm's, are not), or the largest
+    magnitude where there is none wider; the largest of those, which a NaN stays."""
+    by_dtype: dict = {}
+    for g in grads:
+        if g is not None and g.is_floating_point() and g.numel():
+            by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    if not by_dtype:
         return None
+    norms = []
     with torch.no_grad():  # (create_graph: not a node of the graph)
-        return torch.stack([n.float() for n in foreach_norm(grads)]).sum()
+        for (dtype, device), gs in by_dtype.items():
+            if dtype in (torch.float16, torch.bfloat16):
+                norms += foreach_norm(gs, 1, torch.float32)
+            elif dtype == torch.float32 and device.type != "mps":
+                norms += foreach_norm(gs, 1, torch.float64)
+            else:  # float64 (and float32 on MPS, which has no float64)
+                norms += foreach_norm(gs, float("inf"))
+        on = norms[0].device
+        return torch.stack([n.to(device=on, dtype=torch.float32 if on.type == "mps" else torch.float64)
+                            for n in norms]).amax()
 
 
 def gradients_finite(grads) -> bool:

@@ -577,8 +577,10 @@ def _foreach():
     return torch._foreach_norm, torch._foreach_mul_
 
 
-def foreach_norm(tensors, ord: float = 2.0):
-    return torch._foreach_norm(tensors, ord)
+def foreach_norm(tensors, ord: float = 2.0, dtype: torch.dtype | None = None):
+    if dtype is None:
+        return torch._foreach_norm(tensors, ord)
+    return torch._foreach_norm(tensors, ord, dtype=dtype)
 
 
 def foreach_mul_(tensors, scalar) -> None:

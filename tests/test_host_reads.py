@@ -6,6 +6,8 @@ forward, once after the backward) beyond what the plain step reads."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -652,3 +654,32 @@ def test_check_mode_keeps_each_gradient_as_the_plain_model_does(how):
     else:
         got = kept(lambda m: nanpass.harden(m, mode="check"))
     assert got == plain
+
+
+class _Huge(nn.Module):
+    """d/dw = 1e30 * x: finite in float32; the squares a 2-norm sums are not."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x * self.w * 1e30
+
+
+@pytest.mark.parametrize("how", ["compile(harden(check))", "backend(check)", "harden(check)"])
+def test_a_huge_finite_gradient_is_not_called_non_finite(how):
+    model = _Huge()
+    if how == "compile(harden(check))":
+        safe = torch.compile(nanpass.harden(model, mode="check"), backend="aot_eager")
+    elif how == "backend(check)":
+        safe = torch.compile(model, backend=nanpass.backend(inner="aot_eager", mode="check"))
+    else:
+        safe = nanpass.harden(model, mode="check")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", nanpass.NonFiniteWarning)
+            safe(torch.ones(8)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(model.w.grad, torch.full((8,), 1e30))
