@@ -315,35 +315,46 @@ tap.__module__ = "nanpass"
 _PENDING = 8  # forwards whose backward check may still be waiting (pipelined micro-batches)
 
 
+def _counted(g) -> bool:
+    return g is not None and g.is_floating_point() and g.numel() > 0
+
+
+def _gradients(grads) -> list[Tensor]:
+    return [g for g in grads if _counted(g)]
+
+
 def gradient_scalar(grads) -> Tensor | None:
-    """One fused reduction of gradients on their device (no read): finite exactly when each
-    is. Per dtype, as ``_deferred.scalar`` takes one: the sum of magnitudes in a wider float
-    (a float32 gradient of 1e30 is finite; its squares, a 2-norm's, are not), or the largest
-    magnitude where there is none wider; the largest of those, which a NaN stays."""
+    """One fused reduction of gradients on their device (no read), the fastest a CPU has: a
+    2-norm, in float32 at least. Finite when every gradient is; not finite also where finite
+    gradients' squares pass the largest float (above about 1e19 in float32, where a gradient
+    is about to diverge), which ``finite_exactly`` then tells apart, on that path only."""
     by_dtype: dict = {}
-    for g in grads:
-        if g is not None and g.is_floating_point() and g.numel():
-            by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for g in _gradients(grads):
+        by_dtype.setdefault(g.dtype, []).append(g)
     if not by_dtype:
         return None
     norms = []
     with torch.no_grad():  # (create_graph: not a node of the graph)
-        for (dtype, device), gs in by_dtype.items():
-            if dtype in (torch.float16, torch.bfloat16):
-                norms += foreach_norm(gs, 1, torch.float32)
-            elif dtype == torch.float32 and device.type != "mps":
-                norms += foreach_norm(gs, 1, torch.float64)
-            else:  # float64 (and float32 on MPS, which has no float64)
-                norms += foreach_norm(gs, float("inf"))
+        for dtype, gs in by_dtype.items():
+            wider = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+            norms += foreach_norm(gs, 2.0, wider)
         on = norms[0].device
-        return torch.stack([n.to(device=on, dtype=torch.float32 if on.type == "mps" else torch.float64)
-                            for n in norms]).amax()
+        return torch.stack([n.to(device=on, dtype=torch.float32) for n in norms]).amax()
+
+
+def finite_exactly(grads) -> bool:
+    """Every element of every gradient finite (one read): where a 2-norm was not."""
+    grads = _gradients(grads)
+    if not grads:
+        return True
+    on = grads[0].device
+    return bool(torch.stack([torch.isfinite(g).all().to(on) for g in grads]).all())
 
 
 def gradients_finite(grads) -> bool:
-    """One fused check (one read) of a backward's gradients."""
+    """One fused check (one read) of a backward's gradients (two where the norm overflowed)."""
     s = gradient_scalar(grads)
-    return s is None or bool(torch.isfinite(s))
+    return s is None or bool(torch.isfinite(s)) or finite_exactly(grads)
 
 
 class _Handles:
@@ -358,9 +369,10 @@ class _Handles:
         self.handles = []
 
 
-def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque, one_graph: bool = True) -> None:
+def watch_backward(inputs, outs: list, on_hit, pending: collections.deque, one_graph: bool = True) -> None:
     """Once the backward from ``outs`` has given every gradient of ``inputs`` (the graph's
-    inputs that need one: the parameters among them), one fused check of those gradients;
+    inputs that need one: the parameters among them; or a function giving them, called only
+    where the leaves are not found by walking back from ``outs``), one fused check of those gradients;
     only when one is not finite, ``on_hit(upstream)`` with the gradients each output
     received (by its index among the outputs that require one), to run the step again.
     A multi-grad hook on leaves lives until removed: each is removed when it fires, and at
@@ -368,7 +380,7 @@ def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque,
     ``one_graph``: ``inputs`` are the inputs of the graph that made ``outs`` (a backend's
     graph), so where one node made them all, its post hook sees every gradient."""
     watched = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
-    if not inputs or not watched:
+    if not watched or (not callable(inputs) and not inputs):
         return
 
     def verdict(grads, upstream):
@@ -398,6 +410,7 @@ def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque,
         # a scalar of each hook's gradients, made as they arrive: holding the gradients till
         # the backward ends would make AccumulateGrad copy each one into .grad, not keep it
         partial: list[Tensor] = []
+        given: list[tuple] = []  # (a leaf, where its gradient's data is): not held
         armed: list = []
 
         def finish():
@@ -408,30 +421,38 @@ def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque,
             handle.remove()
             try:
                 if partial and not bool(torch.isfinite(torch.stack(
-                        [p.to(partial[0].device) for p in partial]).sum())):  # the one read
-                    on_hit(upstream)
+                        [p.to(partial[0].device) for p in partial]).amax())):  # the one read
+                    # a norm not finite: the gradients again, element by element, where each is
+                    # its leaf's .grad as given (no copy, no sum: not autograd.grad's)
+                    held = [leaf.grad for leaf, _ in given]
+                    if any(g is None or g.data_ptr() != ptr for g, (_, ptr) in zip(held, given, strict=True)) \
+                            or not finite_exactly(held):
+                        on_hit(upstream)
             finally:
                 upstream.clear()  # (the outputs' hooks hold it as long as the outputs live)
                 partial.clear()
+                given.clear()
 
-        def got(grads):
-            s = gradient_scalar(grads)
+        def got(pairs):  # (a leaf, its gradient)
+            s = gradient_scalar([g for _, g in pairs])
             if s is not None:
                 partial.append(s)
+                given.extend((leaf, g.data_ptr()) for leaf, g in pairs if _counted(g))
             if not armed:
                 armed.append(True)
                 at_backward_end(finish)
 
-        givers = _givers(inputs, watched)
+        givers = _givers(watched)
         if givers is not None:  # a post hook on each node that gives a leaf its gradient
-            def after(places):
+            def after(slots):
                 def hook(grad_inputs, grad_outputs):
-                    got([grad_inputs[pos] for pos in places])
+                    got([(leaf, grad_inputs[pos]) for leaf, pos in slots])
                 return hook
 
-            handle = _Handles([n.register_hook(after(places)) for n, places in givers])
+            handle = _Handles([n.register_hook(after(slots)) for n, slots in givers])
         else:  # (a tensor hook: autograd.grad runs it too, a multi-grad hook not)
-            handle = _Handles([t.register_hook(lambda g: got([g])) for t in inputs])
+            leaves_ = inputs() if callable(inputs) else inputs
+            handle = _Handles([t.register_hook(lambda g, t=t: got([(t, g)])) for t in leaves_])
     pending.append(handle)
     while len(pending) > _PENDING:
         pending.popleft().remove()
@@ -440,16 +461,16 @@ def watch_backward(inputs: list, outs: list, on_hit, pending: collections.deque,
 _WALK = 64  # nodes walked back from a compiled forward's outputs to find its leaves' givers
 
 
-def _givers(leaves_: list, outs: list) -> list | None:
-    """The nodes that give each leaf of ``leaves_`` its gradient, walking back from ``outs``,
-    with the leaves' places among the gradients the node gives: (node, [place, ...]).
-    A compiled graph is one node giving every parameter its gradient, so one post hook
-    replaces a tensor hook per parameter (5 points of a compiled GPT-2 step on the CPU).
+def _givers(outs: list) -> list | None:
+    """The nodes that give the leaves (the parameters, an input that needs a gradient) their
+    gradients, walking back from ``outs``, with each leaf's place among the gradients its node
+    gives: (node, [(leaf, place)]). A compiled graph is one node giving every parameter its
+    gradient, so one post hook replaces a tensor hook per parameter, and the walk replaces a
+    walk of the model's modules for its parameters (1 ms of a compiled GPT-2 step).
     None (hook each leaf) where a leaf has two givers (its gradient is their sum, which a
     tensor hook sees) or the graph is long (eager code between graphs)."""
-    index = {id(t): i for i, t in enumerate(leaves_)}
     by_node: dict = {}
-    placed: set = set()
+    placed: set = set()  # (ids of leaves the lists below hold)
     seen: set = set()
     todo = [o.grad_fn for o in outs]
     while todo:
@@ -466,13 +487,10 @@ def _givers(leaves_: list, outs: list) -> list | None:
             if leaf is None:
                 todo.append(child)
                 continue
-            i = index.get(id(leaf))
-            if i is None or leaves_[i] is not leaf:
-                continue
-            if i in placed:
+            if id(leaf) in placed:
                 return None
-            placed.add(i)
-            by_node.setdefault(n, []).append(pos)
+            placed.add(id(leaf))
+            by_node.setdefault(n, []).append((leaf, pos))
     return list(by_node.items())
 
 

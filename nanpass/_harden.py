@@ -484,15 +484,17 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
                         watch.quiet.add(key)
     if torch.is_grad_enabled():
         model = safe._nanpass_model
-        inputs = [p for p in model.parameters() if p.requires_grad]
-        inputs += [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+        def inputs():  # (where the walk back from the outputs does not find the leaves)
+            return ([p for p in model.parameters() if p.requires_grad]
+                    + [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad])
 
         def on_hit(upstream):
             def backward(again):
                 outs = [o for o in leaves(again) if isinstance(o, torch.Tensor) and o.requires_grad]
                 pairs = [(o, upstream[k]) for k, o in enumerate(outs) if k in upstream]
                 if pairs:
-                    torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+                    torch.autograd.grad([o for o, _ in pairs], inputs(), [g for _, g in pairs], allow_unused=True)
 
             with torch.enable_grad():
                 safe._check_again(args, kwargs, rng, None, backward)
