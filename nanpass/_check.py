@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._compat import at_backward_end, foreach_norm
+from ._compat import at_backward_end, custom_function, foreach_norm
 from ._errors import NanpassError
 
 Tensor = torch.Tensor
@@ -339,7 +339,8 @@ def gradient_scalar(grads) -> Tensor | None:
             wider = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
             norms += foreach_norm(gs, 2.0, wider)
         on = norms[0].device
-        return torch.stack([n.to(device=on, dtype=torch.float32) for n in norms]).amax()
+        wide = torch.float32 if on.type == "mps" else torch.float64  # (MPS has no float64)
+        return torch.stack([n.to(device=on, dtype=wide) for n in norms]).amax()
 
 
 def finite_exactly(grads) -> bool:
@@ -369,10 +370,19 @@ class _Handles:
         self.handles = []
 
 
-def watch_backward(inputs, outs: list, on_hit, pending: collections.deque, one_graph: bool = True) -> None:
+def _places(leaf: Tensor, g: Tensor) -> tuple:
+    """Where a leaf's gradient ``g`` may be found once AccumulateGrad ran: ``g`` itself kept
+    as .grad, or the .grad it was added into (read as addresses: nothing is held)."""
+    old = leaf.grad if leaf.is_leaf else None
+    return (g.data_ptr(),) if old is None else (g.data_ptr(), old.data_ptr())
+
+
+def watch_backward(inputs, outs: list, on_hit, pending: collections.deque, one_graph: bool = True,
+                   nonleaf: list = ()) -> None:
     """Once the backward from ``outs`` has given every gradient of ``inputs`` (the graph's
     inputs that need one: the parameters among them; or a function giving them, called only
-    where the leaves are not found by walking back from ``outs``), one fused check of those gradients;
+    where the leaves are not found by walking back from ``outs``, with ``nonleaf``, the
+    inputs that are not leaves), one fused check of those gradients;
     only when one is not finite, ``on_hit(upstream)`` with the gradients each output
     received (by its index among the outputs that require one), to run the step again.
     A multi-grad hook on leaves lives until removed: each is removed when it fires, and at
@@ -410,22 +420,24 @@ def watch_backward(inputs, outs: list, on_hit, pending: collections.deque, one_g
         # a scalar of each hook's gradients, made as they arrive: holding the gradients till
         # the backward ends would make AccumulateGrad copy each one into .grad, not keep it
         partial: list[Tensor] = []
-        given: list[tuple] = []  # (a leaf, where its gradient's data is): not held
+        given: list[tuple] = []  # (a leaf, where its gradient may end up): not held
         armed: list = []
 
         def finish():
             armed.clear()
             if not upstream:  # another forward's backward reached the leaves: not this one's
                 partial.clear()
+                given.clear()
                 return
             handle.remove()
             try:
                 if partial and not bool(torch.isfinite(torch.stack(
                         [p.to(partial[0].device) for p in partial]).amax())):  # the one read
                     # a norm not finite: the gradients again, element by element, where each is
-                    # its leaf's .grad as given (no copy, no sum: not autograd.grad's)
-                    held = [leaf.grad for leaf, _ in given]
-                    if any(g is None or g.data_ptr() != ptr for g, (_, ptr) in zip(held, given, strict=True)) \
+                    # in its leaf's .grad (kept as given, or added into the .grad there before,
+                    # which a non-finite gradient leaves non-finite; not autograd.grad's)
+                    held = [leaf.grad if leaf.is_leaf else None for leaf, _ in given]
+                    if any(g is None or g.data_ptr() not in ptrs for g, (_, ptrs) in zip(held, given, strict=True)) \
                             or not finite_exactly(held):
                         on_hit(upstream)
             finally:
@@ -437,12 +449,12 @@ def watch_backward(inputs, outs: list, on_hit, pending: collections.deque, one_g
             s = gradient_scalar([g for _, g in pairs])
             if s is not None:
                 partial.append(s)
-                given.extend((leaf, g.data_ptr()) for leaf, g in pairs if _counted(g))
+                given.extend((leaf, _places(leaf, g)) for leaf, g in pairs if _counted(g))
             if not armed:
                 armed.append(True)
                 at_backward_end(finish)
 
-        givers = _givers(watched)
+        givers = _givers(watched, list(nonleaf) if callable(inputs) else inputs)
         if givers is not None:  # a post hook on each node that gives a leaf its gradient
             def after(slots):
                 def hook(grad_inputs, grad_outputs):
@@ -461,16 +473,21 @@ def watch_backward(inputs, outs: list, on_hit, pending: collections.deque, one_g
 _WALK = 64  # nodes walked back from a compiled forward's outputs to find its leaves' givers
 
 
-def _givers(outs: list) -> list | None:
-    """The nodes that give the leaves (the parameters, an input that needs a gradient) their
-    gradients, walking back from ``outs``, with each leaf's place among the gradients its node
-    gives: (node, [(leaf, place)]). A compiled graph is one node giving every parameter its
+def _givers(outs: list, inputs: list) -> list | None:
+    """The nodes that give the leaves (the parameters, an input that needs a gradient) and the
+    ``inputs`` that are not leaves (an upstream model's output) their gradients, walking back
+    from ``outs``, with each one's place among the gradients its node gives:
+    (node, [(tensor, place)]). A compiled graph is one node giving every parameter its
     gradient, so one post hook replaces a tensor hook per parameter, and the walk replaces a
     walk of the model's modules for its parameters (1 ms of a compiled GPT-2 step).
-    None (hook each leaf) where a leaf has two givers (its gradient is their sum, which a
-    tensor hook sees) or the graph is long (eager code between graphs)."""
+    None (hook each leaf) where one has two givers (its gradient is their sum, which a tensor
+    hook sees), where the graph is long (eager code between graphs), or where a Function's
+    backward may run a backward of its own that the walk cannot see (a reentrant
+    checkpoint's gives the parameters inside it their gradients)."""
+    stops = {(t.grad_fn, t.output_nr): t for t in inputs
+             if isinstance(t, Tensor) and t.grad_fn is not None}
     by_node: dict = {}
-    placed: set = set()  # (ids of leaves the lists below hold)
+    placed: set = set()  # (ids of tensors the lists below hold)
     seen: set = set()
     todo = [o.grad_fn for o in outs]
     while todo:
@@ -478,20 +495,45 @@ def _givers(outs: list) -> list | None:
         if n is None or n in seen:
             continue
         seen.add(n)
-        if len(seen) > _WALK:
+        if len(seen) > _WALK or _opaque(n):
             return None
-        for pos, (child, _) in enumerate(n.next_functions):
+        for pos, (child, nr) in enumerate(n.next_functions):
             if child is None:
                 continue
-            leaf = getattr(child, "variable", None) if type(child).__name__ == "AccumulateGrad" else None
-            if leaf is None:
+            got = stops.get((child, nr)) if stops else None
+            if got is None and type(child).__name__ == "AccumulateGrad":
+                got = child.variable
+            if got is None:
                 todo.append(child)
                 continue
-            if id(leaf) in placed:
+            if id(got) in placed:
                 return None
-            placed.add(id(leaf))
-            by_node.setdefault(n, []).append((leaf, pos))
+            placed.add(id(got))
+            by_node.setdefault(n, []).append((got, pos))
     return list(by_node.items())
+
+
+def runs_its_own_backward(outs: list) -> bool:
+    """Whether the graph behind ``outs`` holds a Function whose backward runs a backward of its
+    own (a reentrant checkpoint's, which refuses ``torch.autograd.grad``)."""
+    seen: set = set()
+    todo = [o.grad_fn for o in outs]
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if _opaque(n):
+            return True
+        todo.extend(c for c, _ in n.next_functions if c is not None)
+    return False
+
+
+def _opaque(node) -> bool:
+    """A Function's node other than a compiled graph's: its backward may run a backward of its
+    own (``torch.utils.checkpoint``'s reentrant one does)."""
+    cls = custom_function(node)
+    return cls is not None and not cls.__module__.startswith("torch._functorch")
 
 
 def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device | None = None):

@@ -12,7 +12,15 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ._check import COLLECT, check_input, check_state, state_scalar, state_tensors, watch_backward
+from ._check import (
+    COLLECT,
+    check_input,
+    check_state,
+    runs_its_own_backward,
+    state_scalar,
+    state_tensors,
+    watch_backward,
+)
 from ._compat import functorch_active, require
 from ._config import Config, dynamic_dims_of, make_config
 from ._deferred import FINITE, NAN, Forward, scalar, state_of
@@ -493,8 +501,22 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
             def backward(again):
                 outs = [o for o in leaves(again) if isinstance(o, torch.Tensor) and o.requires_grad]
                 pairs = [(o, upstream[k]) for k, o in enumerate(outs) if k in upstream]
-                if pairs:
-                    torch.autograd.grad([o for o, _ in pairs], inputs(), [g for _, g in pairs], allow_unused=True)
+                if not pairs:
+                    return
+                outs, grads, ins = [o for o, _ in pairs], [g for _, g in pairs], inputs()
+                if not runs_its_own_backward(outs):
+                    torch.autograd.grad(outs, ins, grads, allow_unused=True)
+                    return
+                # a reentrant checkpoint refuses autograd.grad: a backward, with the leaves'
+                # .grad put back as they were after it
+                kept = [(t, t.grad) for t in ins if t.is_leaf]
+                for t, _ in kept:
+                    t.grad = None
+                try:
+                    torch.autograd.backward(outs, grads)
+                finally:
+                    for t, g in kept:
+                        t.grad = g
 
             with torch.enable_grad():
                 safe._check_again(args, kwargs, rng, None, backward)
@@ -503,7 +525,9 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
 
         # (a model that graph-breaks made its output in its last graph: that graph's node
         # does not give the parameters' gradients of the graphs before it)
-        watch_backward(inputs, leaves(out), on_hit, watch.compiled_pending, one_graph=False)
+        nonleaf = [t for t in leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf]
+        watch_backward(inputs, leaves(out), on_hit, watch.compiled_pending, one_graph=False, nonleaf=nonleaf)
     return out
 
 

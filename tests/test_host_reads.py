@@ -679,7 +679,53 @@ def test_a_huge_finite_gradient_is_not_called_non_finite(how):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", nanpass.NonFiniteWarning)
-            safe(torch.ones(8)).sum().backward()
+            for _ in range(2):  # the second step adds into the .grad the first left
+                safe(torch.ones(8)).sum().backward()
     finally:
         torch._dynamo.reset()
-    assert torch.equal(model.w.grad, torch.full((8,), 1e30))
+    assert torch.equal(model.w.grad, torch.full((8,), 2e30))
+
+
+class _AfterUpstream(nn.Module):
+    """Its input is an upstream model's output, not a leaf: the NaN gradient it gives that
+    input (d sqrt at 0 times 0) dies in the upstream ReLU before any leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return torch.sqrt(x - x) * self.w
+
+
+class _Reentrant(nn.Module):
+    """A reentrant checkpoint: its backward runs a backward of its own, which gives the weight
+    inside it its (NaN) gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(lambda x: x + torch.sqrt(self.w - self.w), x,
+                                                 use_reentrant=True)
+
+
+@pytest.mark.parametrize("case", ["an input that is not a leaf", "a reentrant checkpoint"])
+def test_compiled_check_names_a_gradient_no_walk_to_the_parameters_sees(case):
+    def step(wrap):
+        torch.manual_seed(0)
+        if case == "an input that is not a leaf":
+            m, x = _AfterUpstream(), torch.relu(torch.full((4,), -1.0, requires_grad=True))
+        else:
+            m, x = _Reentrant(), torch.ones(4, requires_grad=True)
+        with pytest.raises(nanpass.NonFiniteError) as e:
+            wrap(m)(x).sum().backward()
+        return str(e.value).split("\n")[:2]
+
+    eager = step(lambda m: nanpass.harden(m, mode="check", stop_at_op=True))
+    try:
+        compiled = step(lambda m: torch.compile(nanpass.harden(m, mode="check"), backend="aot_eager"))
+    finally:
+        torch._dynamo.reset()
+    assert compiled == eager and "torch.sqrt" in eager[0]
