@@ -488,15 +488,13 @@ def _givers(outs: list, inputs: list) -> list | None:
              if isinstance(t, Tensor) and t.grad_fn is not None}
     by_node: dict = {}
     placed: set = set()  # (ids of tensors the lists below hold)
-    seen: set = set()
-    todo = [o.grad_fn for o in outs]
-    while todo:
-        n = todo.pop()
-        if n is None or n in seen:
-            continue
-        seen.add(n)
-        if len(seen) > _WALK or _opaque(n):
+    walked = [0]
+
+    def onward(n):
+        walked[0] += 1
+        if walked[0] > _WALK or _opaque(n):
             return None
+        nxt = []
         for pos, (child, nr) in enumerate(n.next_functions):
             if child is None:
                 continue
@@ -504,18 +502,20 @@ def _givers(outs: list, inputs: list) -> list | None:
             if got is None and type(child).__name__ == "AccumulateGrad":
                 got = child.variable
             if got is None:
-                todo.append(child)
+                nxt.append(child)
                 continue
             if id(got) in placed:
                 return None
             placed.add(id(got))
             by_node.setdefault(n, []).append((got, pos))
-    return list(by_node.items())
+        return nxt
+
+    return list(by_node.items()) if _walk(outs, onward) else None
 
 
-def runs_its_own_backward(outs: list) -> bool:
-    """Whether the graph behind ``outs`` holds a Function whose backward runs a backward of its
-    own (a reentrant checkpoint's, which refuses ``torch.autograd.grad``)."""
+def _walk(outs: list, onward) -> bool:
+    """Each autograd node behind ``outs`` once, depth first: ``onward(node)`` gives the nodes
+    to go on to, or None to end the walk there (False)."""
     seen: set = set()
     todo = [o.grad_fn for o in outs]
     while todo:
@@ -523,10 +523,17 @@ def runs_its_own_backward(outs: list) -> bool:
         if n is None or n in seen:
             continue
         seen.add(n)
-        if _opaque(n):
-            return True
-        todo.extend(c for c, _ in n.next_functions if c is not None)
-    return False
+        nxt = onward(n)
+        if nxt is None:
+            return False
+        todo.extend(nxt)
+    return True
+
+
+def runs_its_own_backward(outs: list) -> bool:
+    """Whether the graph behind ``outs`` holds a Function whose backward runs a backward of its
+    own (a reentrant checkpoint's, which refuses ``torch.autograd.grad``)."""
+    return not _walk(outs, lambda n: None if _opaque(n) else [c for c, _ in n.next_functions if c is not None])
 
 
 def _opaque(node) -> bool:
