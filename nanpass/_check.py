@@ -385,8 +385,9 @@ def watch_backward(inputs, outs: list, on_hit, pending: collections.deque, one_g
     inputs that are not leaves), one fused check of those gradients;
     only when one is not finite, ``on_hit(upstream)`` with the gradients each output
     received (by its index among the outputs that require one), to run the step again.
-    A multi-grad hook on leaves lives until removed: each is removed when it fires, and at
-    most ``_PENDING`` wait for a backward (forwards with grad and no backward).
+    A hook on a leaf lives until removed (one on a node, as long as its graph): each is removed
+    when it fires, and at most ``_PENDING`` wait for a backward (forwards with grad and no
+    backward).
     ``one_graph``: ``inputs`` are the inputs of the graph that made ``outs`` (a backend's
     graph), so where one node made them all, its post hook sees every gradient."""
     watched = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
