@@ -608,6 +608,74 @@ def build_dynamo_tables() -> None:
         MISSING["dynamo_tables"] = f"{type(err).__name__}: {err}"
 
 
+@entry("jit_builtins", "torch.jit._builtins._find_builtin and _register_builtin (TorchScript's "
+       "table of the Python callables it compiles as an aten op)")
+def _jit_builtins():
+    from torch.jit import _builtins
+
+    return _builtins._find_builtin, _builtins._register_builtin
+
+
+@entry("dynamo_import", "torch._dynamo (imported before the stand-ins, so that its tables of "
+       "torch's callables list torch's own)", at_import=False)
+def _dynamo_module():
+    import torch._dynamo
+
+    return torch._dynamo
+
+
+def stand_ins_for_tools(pairs) -> None:
+    """Each ``(stand_in, original)``, before the stand-in replaces the original anywhere:
+    TorchScript compiles a call of the stand-in as one of the original (its aten builtin, or
+    the original's own source), and dynamo traces the original in its place (a polyfill), its
+    tables built first from torch's own objects. Missing hooks are recorded; the stand-ins
+    still call the original outside a hardened call."""
+    builtin = register = None
+    if "jit_builtins" not in MISSING:
+        try:
+            builtin, register = _jit_builtins()
+            names = [builtin(orig) for _, orig in pairs]  # (builds its table now, from torch's own)
+        except Exception as err:  # noqa: BLE001 - recorded; TorchScript of a stand-in then fails
+            MISSING["jit_builtins"] = f"{type(err).__name__}: {err}"
+            builtin = None
+    for k, (new, orig) in enumerate(pairs):
+        if builtin is not None and names[k] is not None:
+            register(new, names[k])
+        elif isinstance(orig, types.FunctionType):
+            new.__prepare_scriptable__ = functools.partial(_itself, orig)
+    # a traced mode is offered a call of either (torch.overrides lists them by name, maybe
+    # after the stand-ins replaced torch's own)
+    _OFFERED.update(f for pair in pairs for f in pair)
+    listed = getattr(sys.modules.get("torch._dynamo.variables.torch"), "get_overridable_functions", None)
+    if hasattr(listed, "cache_clear"):
+        listed.cache_clear()
+    try:
+        _dynamo_module()
+        build_dynamo_tables()
+    except Exception as err:  # noqa: BLE001 - recorded; torch.compile warns where it needs it
+        MISSING["dynamo_import"] = f"{type(err).__name__}: {err}"
+        return
+    failed = []
+    for new, orig in pairs:
+        try:
+            torch.compiler.substitute_in_graph(new, skip_signature_check=True)(_polyfill(orig))
+        except Exception as err:  # noqa: BLE001 - recorded, named below
+            failed.append(f"{new.__qualname__} ({type(err).__name__}: {err})")
+    if failed:
+        MISSING["dynamo_import"] = "substitute_in_graph failed for " + "; ".join(failed)
+
+
+def _itself(fn):
+    return fn
+
+
+def _polyfill(orig):
+    def polyfill(*args, **kwargs):
+        return orig(*args, **kwargs)
+
+    return polyfill
+
+
 def compiled_function(obj) -> bool:
     """Whether ``obj`` is a function ``torch.compile`` wrapped."""
     return callable(obj) and getattr(obj, "_torchdynamo_orig_callable", None) is not None

@@ -73,6 +73,15 @@ class Hardened(torch.nn.Module):
             return quarantine_call(self._forward_mode, args, kwargs)
         return self._forward_mode(*args, **kwargs)
 
+    def _call_impl(self, *args, **kwargs):
+        """Hooks registered on the hardened module itself run inside the hardened call: the
+        user registered them on the model they train."""
+        hooked = (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+                  or self._backward_pre_hooks)
+        if not hooked or self._nanpass_config.mode not in ("guard", "guard+check"):
+            return super()._call_impl(*args, **kwargs)
+        return run_guarded(self._nanpass_sites, super()._call_impl, args, kwargs)
+
     def _forward_mode(self, *args, **kwargs):
         sites = self._nanpass_sites
         mode = self._nanpass_config.mode
@@ -282,8 +291,8 @@ class Hardened(torch.nn.Module):
 
     @property
     def interception(self) -> str:
-        """How the last eager call found the unsafe calls: "swap" (the table's spellings swapped
-        where they are looked up; every other call runs untouched) or "mode: <why>" (a
+        """How the last eager call found the unsafe calls: "swap" (the table's stand-ins send
+        them to the guards; every other call runs untouched) or "mode: <why>" (a
         TorchFunctionMode sees every call: check mode, ``fast=False``, or a spelling the model
         reaches through something the swap cannot change, named)."""
         sites = self._nanpass_sites
@@ -406,10 +415,10 @@ def harden(
     the forward runs again with a check at each op, which names it. ``stop_at_op=True`` reads
     at each op instead and stops there (a debugger's view; one host read per call).
 
-    Guard mode swaps the table's spellings where they are looked up (``torch.log``,
-    ``Tensor.__truediv__``, the names your code bound) while the call runs, so every other call
-    costs nothing; ``fast=False`` runs it under a ``TorchFunctionMode`` that sees every call
-    (``safe.interception`` says which runs, and why).
+    Guard mode calls each spelling's stand-in (installed once at ``import nanpass``: torch's own
+    function outside a hardened call), so every other call costs nothing; ``fast=False`` runs it
+    under a ``TorchFunctionMode`` that sees every call (``safe.interception`` says which runs,
+    and why).
 
     ``selfcheck``: on a torch outside the tested releases the first use runs the rule table's
     own bad operands through the guards and refuses any guard that is not finite there (about a

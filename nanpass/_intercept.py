@@ -105,70 +105,48 @@ class Sites:
         self.checker = Watch(self, config.mode == "warn", deferred=model is not None and not config.stop_at_op) \
             if config.mode in ("check", "warn") else None
         self.customs: bool | None = None  # whether its graphs hold custom Function nodes
-        # guard mode's fast path (_fastpath): the names the model's code binds to the table's
-        # spellings, looked at on the first call and each sampled one (a module swapped in);
+        # guard mode's fast path (_fastpath): the stand-ins send the table's calls here; the
+        # model's code is scanned on the first call and when a module class is swapped in;
         # `fast` says why the mode runs instead, where it does
         self.fast: str | None = None if config.fast else "fast=False"
-        self._swaps: tuple | None = None
-        self._learned: set = set()  # names the survey found the code to look up
+        self._scanned = False
         self._kinds: tuple = ()  # the module classes the last scan read
         self._epoch = -1  # _fastpath.EPOCH at the last look
-        self.verify = False  # survey the next call (a name was learned)
 
     def missed(self, sp: Spelling, func) -> None:
-        """A call the fast path's swap did not reach: the mode from now on, and said where
-        calls before this one may have run unguarded."""
+        """A call the stand-ins did not reach (a reference to torch's own function taken before
+        ``import nanpass``, where no scan looks): the mode from now on, said where calls
+        before this one may have run unguarded."""
         if self.fast is not None:
             return
         module, frame = self._where(3)
         at = _source(frame)[0] or "an unknown line"
-        swapped = {s.key for s in self._swaps or ()}
-        homes = _fastpath.homes_of(func)
-        if any(h.key not in swapped for h in homes):
-            # a name the scan did not see the code look up: swapped from the next call
-            self._learned |= {h.name for h in homes}
-            self._swaps = None
-            self.verify = True  # the next call is surveyed too: a reference held elsewhere
-            # (an object's registry) misses the swap again, and moves the model to the mode
-            if self.calls > 1:
-                warnings.warn(
-                    f"nanpass: {sp.name} at {at} is called from code the scan of the model did not "
-                    f"reach; the calls before this one may have run it unguarded; it is swapped "
-                    f"from now on", GuardWarning, stacklevel=4)
-            return
-        self.fast = f"{sp.name} at {at} is reached through a name the swap cannot change"
-        if self.calls > 1 and not self._learned_before(homes):
+        self.fast = (f"{sp.name} at {at} is reached through a reference to torch's own function "
+                     f"taken before import nanpass")
+        if self.calls > 1:
             warnings.warn(
                 f"nanpass: {self.fast}: the calls before this one may have run it unguarded; "
-                f"this model runs under a TorchFunctionMode from now on (harden(..., fast=False) "
-                f"starts so)", GuardWarning, stacklevel=4)
+                f"this model runs under a TorchFunctionMode from now on (import nanpass before "
+                f"the code that takes the reference, or harden(..., fast=False))",
+                GuardWarning, stacklevel=4)
 
-    def _learned_before(self, homes) -> bool:
-        """Whether the calls before were surveyed for this callable (it was learned from the
-        survey of the call before: none of them ran it unguarded)."""
-        return bool(homes) and all(h.name in self._learned for h in homes)
-
-    def fast_swaps(self, rescan: bool) -> tuple | None:
-        """What a call on the fast path swaps, or None: run under the mode."""
+    def fast_ok(self, rescan: bool) -> bool:
+        """Whether this call runs on the stand-ins (else under the mode)."""
         if not self.config.fast or self.model is None or _compat.functorch_active():
-            return None
+            return False
         if self.fast is not None:
-            return None
-        if _fastpath.TAG_LIMITED:
-            self.fast = ("Python 3.13+ stops caching a class's attributes after 1,000 changes, and the "
-                         "swap changes Tensor's on each call")
-            return None
+            return False
         epoch = _fastpath.EPOCH[0]
-        if (rescan or epoch != self._epoch) and self._swaps is not None:
+        if (rescan or epoch != self._epoch) and self._scanned:
             # a module registered since (maybe swapped in here): a new class's code is scanned
             kinds = tuple(map(type, self.model.modules()))
             rescan, self._kinds = kinds != self._kinds, kinds
         self._epoch = epoch
-        if self._swaps is None or rescan:
+        if not self._scanned or rescan:
+            self._scanned = True
             self._kinds = tuple(map(type, self.model.modules()))
-            swaps, why = _fastpath.scan(self.model, self._learned)
-            self.fast, self._swaps = why, (swaps if why is None else ())
-        return self._swaps if self.fast is None else None
+            self.fast = _fastpath.scan(self.model)
+        return self.fast is None
 
     def locate(self):
         """(module, its path, file, line) of the user's frame making the current call."""
@@ -446,9 +424,9 @@ def _hit(func) -> tuple[Rule, Spelling, bool] | None:
         hit = CALLS.get(func)
     except TypeError:  # an unhashable callable
         return None
-    # a mode running while the fast path has the table's names swapped (a composite's guard,
-    # another thread's check mode) is handed the stand-in torch looked up by name
-    return hit if hit is not None or not _fastpath.STAND_IN_HITS else _fastpath.STAND_IN_HITS.get(func)
+    # a mode is handed the stand-in where torch looks the callable up by name (``x.log()``,
+    # ``F.softmax``'s own dispatch)
+    return hit if hit is not None else _fastpath.STAND_IN_HITS.get(func)
 
 
 # Under dynamo the lookup runs as Python, not traced: a traced lookup in CALLS guards the
@@ -463,8 +441,8 @@ _HIT_INDEX: dict = {fn: i for i, fn in enumerate(CALLS, 1)}
 def _hit_index(func) -> int:
     try:
         i = _HIT_INDEX.get(func, 0)
-        if not i and func in _fastpath.STAND_IN_HITS:  # traced while a call had the names swapped
-            i = _HIT_INDEX.get(func.__wrapped__, 0)
+        if not i and func in _fastpath.ORIGINALS:  # a stand-in, looked up by name
+            i = _HIT_INDEX.get(_fastpath.ORIGINALS[func], 0)
         return i
     except TypeError:  # an unhashable callable
         return 0
@@ -597,6 +575,7 @@ _UNWATCHED = frozenset(("__get__", "__set__", "__repr__", "__format__", "__str__
 def _watched(watch: Watch, sites: Sites, func, hit, args, kwargs):
     """Check mode: every call runs as called and its result is checked; a call the table
     names also records its site for the report."""
+    func = _fastpath.ORIGINALS.get(func, func)  # a stand-in torch looked up by name: its original
     name = getattr(func, "__name__", None)
     if name == "backward" and args and isinstance(args[0], Tensor):  # loss.backward()
         return watch.loss_backward(func, args, kwargs)
@@ -627,21 +606,24 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict, noted: li
     sample = bool(sites.watch) and sites.calls % sites.watch == 0 and not torch.compiler.is_compiling()
     sites.sampling = sample
     try:
-        swaps = sites.fast_swaps(sample) if sites.checker is None else None
-        prev = _fastpath.MISSED if swaps is None else _fastpath.enter(sites, swaps)
-        if prev is not _fastpath.MISSED:  # the table's spellings swapped in place: no mode
+        if sites.checker is None and sites.fast_ok(sample):  # the stand-ins: no mode
+            prev = _fastpath.enter(sites)
             try:
-                surveyed, sites.verify = sites.calls == 1 or sample or sites.verify, False
-                if surveyed:  # the survey: a call the swap missed is found
+                surveyed = sites.calls == 1 or sample
+                if surveyed:  # the survey: a call that reaches torch past the stand-ins is found
                     with Survey(sites):
                         out = fn(*args, **kwargs)
                 else:
                     out = fn(*args, **kwargs)
             finally:
-                _fastpath.leave(prev, swaps)
+                _fastpath.leave(prev)
         else:
-            with mode:
-                out = fn(*args, **kwargs)
+            prev = _fastpath.paused()  # (an outer model's stand-ins would guard this one's calls)
+            try:
+                with mode:
+                    out = fn(*args, **kwargs)
+            finally:
+                _fastpath.resume(prev)
         if (sites.customs is not False and sites.checker is None and torch.is_grad_enabled()
                 and not _compat.functorch_active()):  # (under vmap a value cannot be read)
             _guard_custom_backwards(sites, out)

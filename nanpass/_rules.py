@@ -945,6 +945,14 @@ def match(node, root: torch.nn.Module | None = None) -> tuple[Rule, Spelling] | 
     return None
 
 
+def graph_spelling(target, same_as=None):
+    """The (rule, spelling) of a ``call_function`` node calling ``target``; with ``same_as``,
+    ``target`` (a stand-in of ``_fastpath``) is made to mean that one."""
+    if same_as is not None:
+        _BY_TARGET[("call_function", target)] = same_as
+    return _BY_TARGET.get(("call_function", target))
+
+
 def _reflected(dunder: Callable) -> Callable:
     """``a op b`` for a non-tensor ``a``, as torch computes it: ``b.__rop__(a)``, with the
     operands in the order a guard reads them. ``2 / x`` is ``x.reciprocal() * 2``, not a true

@@ -1,29 +1,36 @@
-"""Guard mode's fast path (nanpass/_fastpath.py): the table's spellings swapped where they are
-looked up, so that calls it does not name never enter Python; every way a model's code can
-reach a spelling is still guarded, or the model runs under the mode and says why."""
+"""Guard mode's stand-ins (nanpass/_fastpath.py): the table's spellings replaced once, at
+``import nanpass``, by functions that guard inside a hardened call and are torch's own
+everywhere else. Every way a model's code can reach a spelling is guarded, whichever thread,
+nesting or order of first calls, or the model runs under the mode and says why; outside a
+hardened call every tool sees torch's function."""
 
 from __future__ import annotations
 
 import functools
+import operator
+import pickle
 import sys
 import threading
+import types
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import log as prebound_log
 from torch import nn
 
 import nanpass
 from nanpass import _fastpath
 
 ZERO = torch.zeros(3)
-LOG_TABLE = {"log": torch.log}
+# torch's own log, as a module imported before nanpass holds it (``from torch import log``)
+RAW_LOG = torch.log.__wrapped__
+LOG_TABLE = {"log": RAW_LOG}
 
 
 class Registry:
     def __init__(self):
-        self.fns = {"log": torch.log}
+        self.fns = {"log": RAW_LOG}
 
     def get(self, name):
         return self.fns[name]
@@ -32,12 +39,8 @@ class Registry:
 REGISTRY = Registry()
 
 
-def _helper(x):
-    return prebound_log(x)
-
-
 def _closure():
-    op = torch.log
+    op = RAW_LOG
 
     def run(x):
         return op(x)
@@ -47,12 +50,7 @@ def _closure():
 
 class FromImport(nn.Module):
     def forward(self, x):
-        return prebound_log(x)
-
-
-class ThroughHelper(nn.Module):
-    def forward(self, x):
-        return _helper(x)
+        return RAW_LOG(x)
 
 
 class Closure(nn.Module):
@@ -65,7 +63,7 @@ class Closure(nn.Module):
 class InstanceAttribute(nn.Module):
     def __init__(self):
         super().__init__()
-        self.op = torch.log
+        self.op = torch.log.__wrapped__  # (RAW_LOG itself is rebound by FromImport's scan)
 
     def forward(self, x):
         return self.op(x)
@@ -74,22 +72,14 @@ class InstanceAttribute(nn.Module):
 class Partial(nn.Module):
     def __init__(self):
         super().__init__()
-        self.op = functools.partial(torch.clamp_min, min=0.0)
-        self.log = functools.partial(torch.log)
+        self.log = functools.partial(torch.log.__wrapped__)
 
     def forward(self, x):
-        return self.log(self.op(x))
-
-
-class ClassAttribute(nn.Module):
-    op = torch.log
-
-    def forward(self, x):
-        return type(self).op(x)
+        return self.log(x)
 
 
 class DefaultArgument(nn.Module):
-    def forward(self, x, op=torch.log):
+    def forward(self, x, op=RAW_LOG):
         return op(x)
 
 
@@ -108,11 +98,10 @@ class Method(nn.Module):
         return x.log() + x / x + 1 / x + F.softmax(torch.full_like(x, -float("inf")), -1)
 
 
-CASES = {  # model -> how its eager calls are intercepted
-    FromImport: "swap", ThroughHelper: "swap", Closure: "swap", Method: "swap",
+CASES = {  # model holding torch's own log (taken before import nanpass) -> how it is intercepted
+    FromImport: "swap", Closure: "swap", Method: "swap",
     InstanceAttribute: "mode: InstanceAttribute.op holds torch.log",
     Partial: "mode: Partial.log holds torch.log",
-    ClassAttribute: "mode: class attribute of ClassAttribute holds torch.log",
     DefaultArgument: "mode: a default argument of DefaultArgument.forward",
     Container: "mode: LOG_TABLE (a container used by Container.forward",
     ThroughAnObject: "mode: torch.log at ",
@@ -120,13 +109,14 @@ CASES = {  # model -> how its eager calls are intercepted
 
 
 @pytest.mark.parametrize("cls", list(CASES), ids=lambda c: c.__name__)
-def test_every_way_to_reach_a_spelling_is_guarded(cls):
+def test_a_reference_taken_before_import_is_guarded_or_sends_the_model_to_the_mode(cls):
     x = ZERO.clone().requires_grad_()
     safe = nanpass.harden(cls())
     out = safe(x)
     out.sum().backward()
-    assert torch.isfinite(safe(ZERO)).all()  # a name the first call's survey learned: verified
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    for _ in range(3):  # unsampled calls too
+        assert torch.isfinite(safe(ZERO)).all()
     assert safe.interception.startswith(CASES[cls])
     assert [c.op for c in safe.changes if c.action == "guarded"], "no guard ran"
     mode = nanpass.harden(cls(), fast=False)
@@ -134,75 +124,304 @@ def test_every_way_to_reach_a_spelling_is_guarded(cls):
     assert mode.interception == "mode: fast=False"
 
 
-def _swapped_names():
-    return {(id(ns), name): getattr(ns, name) for ns in _fastpath._namespaces()
-            for name in (dir(ns) if ns is torch.Tensor else list(vars(ns)))
-            if _fastpath._key(getattr(ns, name, None)) is not None}
+# -- the spellings a model reaches on a later, unsampled call (issue 44) ---------------------
+class Switch(nn.Module):
+    """Its first call is safe and plain; ``how`` then picks the construct each later call
+    reaches ``log(0)`` (or ``0 / 0``) through."""
+
+    def __init__(self):
+        super().__init__()
+        self.how = None
+
+    def forward(self, x):
+        return _REACH[self.how](self, x) if self.how else x + 1
 
 
-def test_every_name_is_its_own_again_after_the_call_and_after_an_error():
-    before, tensor_dict = _swapped_names(), dict(vars(torch.Tensor))
-    globals_before = prebound_log
-
-    class Fails(nn.Module):
-        def forward(self, x):
-            prebound_log(x)
-            raise ValueError("boom")
-
-    nanpass.harden(FromImport())(ZERO)
-    with pytest.raises(ValueError, match="boom"):
-        nanpass.harden(Fails())(ZERO)
-    assert _swapped_names() == before and dict(vars(torch.Tensor)) == tensor_dict
-    assert globals()["prebound_log"] is globals_before is torch.log
-    assert torch.log(ZERO).isinf().all() and ZERO.log().isinf().all() and (1 / ZERO).isinf().all()
-
-
-def test_where_a_class_has_a_tag_budget_tensor_is_never_modified(monkeypatch):
-    """Setting a class attribute clears its attribute-cache version tag; from CPython 3.13 a
-    class that used 1,000 tags is never cached again: there harden runs under the mode and
-    leaves Tensor alone."""
-    capi = pytest.importorskip("_testcapi")
-    if not hasattr(capi, "type_get_version"):
-        pytest.skip("this CPython cannot read a type's version tag")
-    monkeypatch.setattr(_fastpath, "TAG_LIMITED", True)
-    safe = nanpass.harden(Method())
-    ZERO.view(3)  # a lookup gives Tensor a tag
-    tag = capi.type_get_version(torch.Tensor)
-    for _ in range(3):
-        assert torch.isfinite(safe(ZERO)).all()
-    ZERO.view(3)
-    assert capi.type_get_version(torch.Tensor) == tag != 0
-    assert safe.interception.startswith("mode: Python 3.13+ stops caching")
+_PARTIAL = functools.partial(torch.log)
+_SET = {torch.log}
+_helpers = types.ModuleType("nanpass_test_helpers")
+_helpers.inner = types.ModuleType("nanpass_test_helpers.inner")
+exec("import torch\ndef deep(x):\n    return torch.log(x)\n", _helpers.inner.__dict__)
+_REACH = {
+    "operator.truediv": lambda self, x: operator.truediv(x, x),
+    "partial": lambda self, x: _PARTIAL(x),
+    "set": lambda self, x: next(iter(_SET))(x),
+    "distributions": lambda self, x: torch.distributions.Normal(x, x, validate_args=False).entropy(),
+    "two packages deep": lambda self, x: _helpers.inner.deep(x),
+    "attribute set later": lambda self, x: self.act(x),
+    "subclass": lambda self, x: torch.log(x.as_subclass(_Sub)),
+}
 
 
-def test_plain_code_compiles_as_before_next_to_the_swap():
-    nanpass.harden(Method())(ZERO)
-
-    def plain(x):
-        return x.log() + x / x + 1 / x + x.softmax(-1) + x ** 0.5
-
-    torch._dynamo.reset()
-    got = torch.compile(plain, backend="aot_eager", fullgraph=True)(ZERO)
-    assert torch.equal(got.isnan(), plain(ZERO).isnan()) and got.isnan().all()  # unguarded, as written
+class _Sub(torch.Tensor):
+    pass
 
 
-def test_a_patch_made_after_import_is_kept_and_its_calls_are_guarded(monkeypatch):
+@pytest.mark.parametrize("how", list(_REACH))
+def test_a_spelling_first_reached_on_an_unsampled_call_is_guarded(how):
+    model = Switch()
+    safe = nanpass.harden(model)
+    safe(ZERO)  # the first (surveyed) call takes the plain branch
+    model.how = how
+    if how == "attribute set later":
+        safe.act = torch.log
+    plain = _REACH[how](model, ZERO.clone())
+    assert not torch.isfinite(plain).all()
+    for _ in range(3):  # calls 2..4: none sampled
+        assert torch.isfinite(safe(ZERO)).all(), how
+    assert safe.interception == "swap"
+
+
+def test_hooks_and_a_replaced_forward_added_after_the_first_call_are_guarded():
+    model = Switch()
+    safe = nanpass.harden(model)
+    safe(ZERO)
+    model.register_forward_hook(lambda m, args, out: torch.log(out - out))
+    assert torch.isfinite(safe(ZERO)).all()
+    model.forward = types.MethodType(lambda self, x: torch.log(x), model)
+    assert torch.isfinite(safe(ZERO)).all()
+
+
+def test_hooks_registered_on_the_hardened_module_run_guarded():
+    safe = nanpass.harden(Switch())
+    seen = {}
+    safe.register_forward_pre_hook(lambda m, args: seen.setdefault("pre", torch.log(args[0] * 0)))
+    safe.register_forward_hook(lambda m, args, out: seen.setdefault("post", out / (out - out)))
+    safe(ZERO)
+    assert torch.isfinite(seen["pre"]).all() and torch.isfinite(seen["post"]).all()
+    mode = nanpass.harden(Switch(), fast=False)
+    mode.register_forward_hook(lambda m, args, out: torch.log(out * 0))
+    assert torch.isfinite(mode(ZERO)).all()
+
+
+def test_a_library_that_wraps_a_torch_function_after_import_keeps_its_wrapper_and_is_guarded(monkeypatch):
     seen = []
-    original = torch.log
-
-    def traced_log(x):
-        seen.append(1)
-        return original(x)
-
-    monkeypatch.setattr(torch, "log", traced_log)
+    own = torch.log
+    monkeypatch.setattr(torch, "log", lambda x: (seen.append(1), own(x))[1])
 
     class UsesPatched(nn.Module):
         def forward(self, x):
             return torch.log(x)
 
     safe = nanpass.harden(UsesPatched())
-    assert torch.isfinite(safe(ZERO)).all() and seen == [1]
-    assert torch.log is traced_log
+    for _ in range(3):
+        assert torch.isfinite(safe(ZERO)).all()
+    assert seen == [1, 1, 1] and safe.interception == "swap"
+    assert torch.log(ZERO).isinf().all()  # outside: the wrapper, then torch's log
+
+
+# -- threads and nesting --------------------------------------------------------------------
+class Waits(nn.Module):
+    def __init__(self, barrier):
+        super().__init__()
+        self.barrier = barrier
+
+    def forward(self, x):
+        self.barrier.wait(10)
+        return RAW_LOG(x) + torch.log(x) + x / x
+
+
+def _in_threads(fns):
+    got, errors = {}, []
+
+    def run(k, fn):
+        try:
+            got[k] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(k, fn)) for k, fn in enumerate(fns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    return [got[k] for k in range(len(fns))]
+
+
+def test_one_model_called_from_two_threads_at_once_is_guarded_on_every_call():
+    barrier = threading.Barrier(2)
+    safe = nanpass.harden(Waits(barrier))
+    for _ in range(3):
+        outs = _in_threads([lambda: safe(ZERO), lambda: safe(ZERO)])
+        assert all(torch.isfinite(o).all() for o in outs)
+    barrier2 = threading.Barrier(1)
+    safe.original.barrier = barrier2
+    assert torch.isfinite(safe(ZERO)).all()
+
+
+def test_a_second_model_first_called_while_another_thread_runs_a_hardened_call():
+    barrier = threading.Barrier(2)
+    first, second = nanpass.harden(Waits(barrier)), nanpass.harden(Waits(barrier))
+    outs = _in_threads([lambda: first(ZERO), lambda: second(ZERO)])
+    assert all(torch.isfinite(o).all() for o in outs)
+    second.original.barrier = first.original.barrier = threading.Barrier(1)
+    assert torch.isfinite(second(ZERO)).all() and torch.isfinite(first(ZERO)).all()
+
+
+def test_other_threads_run_as_written_during_a_hardened_call():
+    inside, done = threading.Event(), threading.Event()
+    got = {}
+
+    class Holds(nn.Module):
+        def forward(self, x):
+            inside.set()
+            assert done.wait(10)
+            return torch.log(x)
+
+    def plain():
+        assert inside.wait(10)
+        got["plain"] = torch.log(ZERO)
+        done.set()
+
+    t = threading.Thread(target=plain)
+    t.start()
+    got["hardened"] = nanpass.harden(Holds())(ZERO)
+    t.join()
+    assert got["plain"].isinf().all() and torch.isfinite(got["hardened"]).all()
+
+
+class Teacher(nn.Module):
+    def forward(self, x):
+        return RAW_LOG(x) + torch.log(x)
+
+
+class Student(nn.Module):
+    def __init__(self, teacher):
+        super().__init__()
+        self.teacher = teacher
+
+    def forward(self, x):
+        return self.teacher(x) + torch.log(x)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_teacher_first_called_inside_a_hardened_student_is_guarded_with_its_own_constants(fast):
+    teacher = nanpass.harden(Teacher(), fast=fast, constants={"log": {"lo": 1e-3}})
+    student = nanpass.harden(Student(teacher))
+    want = 2 * torch.log(torch.tensor(1e-3))
+    for _ in range(3):
+        out = student(ZERO)
+        t = teacher(ZERO)
+        assert torch.isfinite(out).all()
+        assert torch.allclose(t, want.expand(3))  # the teacher's own lo, not the student's
+    inner = {}
+
+    class Outer(nn.Module):
+        def forward(self, x):
+            inner["t"] = teacher(x)
+            return torch.log(x)
+
+    nanpass.harden(Outer())(ZERO)
+    assert torch.allclose(inner["t"], want.expand(3))
+
+
+# -- outside a hardened call, torch is torch ------------------------------------------------
+def test_outside_a_hardened_call_the_stand_ins_are_torch_to_every_tool():
+    nanpass.harden(InstanceAttribute())(ZERO)  # a model that fell back to the mode
+    assert torch.log(ZERO).isinf().all() and ZERO.log().isinf().all() and (1 / ZERO).isinf().all()
+    for f in (torch.log, torch.Tensor.log, F.softmax, torch.Tensor.__truediv__):
+        assert pickle.loads(pickle.dumps(f)) is f
+    import inspect
+
+    assert inspect.signature(F.softmax) == inspect.signature(F.softmax.__wrapped__)
+
+    @torch.jit.script
+    def scripted(x):
+        return torch.log(x) + F.softmax(x, -1) + x.log() + x / 2
+
+    assert torch.equal(scripted(torch.ones(3)), torch.log(torch.ones(3)) + F.softmax(torch.ones(3), -1) + 0.5)
+
+
+def test_a_module_that_caches_a_spelling_in_its_forward_saves_and_scripts():
+    import io
+
+    model = Caches()
+    nanpass.harden(model)(ZERO)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=False).act is F.log_softmax
+
+    class Scripts(nn.Module):
+        def forward(self, x):
+            return torch.jit.script(_scripted_log)(x)
+
+    assert torch.isfinite(nanpass.harden(Scripts())(torch.ones(3))).all()
+
+
+class Caches(nn.Module):
+    def forward(self, x):
+        self.act = F.log_softmax
+        return self.act(x, -1)
+
+
+def _scripted_log(x):
+    return torch.log(x)
+
+
+def test_a_patch_in_another_thread_during_a_hardened_call_is_undone_as_written():
+    inside, patched, done = threading.Event(), threading.Event(), threading.Event()
+    before = torch.log
+
+    class Holds(nn.Module):
+        def forward(self, x):
+            inside.set()
+            assert patched.wait(10)
+            return torch.log(x)
+
+    def patch():
+        assert inside.wait(10)
+        with mock.patch.object(torch, "log", lambda x: x):
+            patched.set()
+            assert done.wait(10)
+
+    t = threading.Thread(target=patch)
+    t.start()
+    nanpass.harden(Holds())(ZERO)
+    done.set()
+    t.join()
+    assert torch.log is before
+
+
+def test_a_class_with_a_reflected_operator_meets_a_tensor():
+    class Units:
+        def __rtruediv__(self, other):
+            return "units"
+
+    class Divides(nn.Module):
+        def forward(self, x):
+            return x / Units()
+
+    assert nanpass.harden(Divides())(ZERO) == "units"
+    assert nanpass.harden(Divides(), fast=False)(ZERO) == "units"
+
+
+def test_tensors_attribute_cache_tag_never_moves_after_import():
+    """From CPython 3.13 a class whose attributes change ~1,000 times is never cached again:
+    hardened calls write nothing to Tensor."""
+    capi = pytest.importorskip("_testcapi")
+    if not hasattr(capi, "type_get_version"):
+        pytest.skip("this CPython cannot read a type's version tag")
+    safe = nanpass.harden(Method())
+    ZERO.view(3)
+    tag = capi.type_get_version(torch.Tensor)
+    for _ in range(5):
+        assert torch.isfinite(safe(ZERO)).all()
+    ZERO.view(3)
+    assert capi.type_get_version(torch.Tensor) == tag != 0
+    assert safe.interception == "swap"
+
+
+def test_plain_code_compiles_as_before_next_to_the_stand_ins():
+    nanpass.harden(Method())(ZERO)
+
+    def plain(x):
+        return x.log() + x / x + 1 / x + x.softmax(-1) + x ** 0.5 + torch.log(x) + F.softmax(x, -1)
+
+    torch._dynamo.reset()
+    got = torch.compile(plain, backend="aot_eager", fullgraph=True)(ZERO)
+    assert torch.equal(got.isnan(), plain(ZERO).isnan()) and got.isnan().all()  # unguarded, as written
 
 
 class Calls(nn.Module):
@@ -241,33 +460,11 @@ def test_calls_the_table_does_not_name_never_enter_python():
     assert mode[1] > mode[0] + 100  # the mode runs its handler for each
 
 
-def test_other_threads_run_as_written_during_a_hardened_call():
-    inside, done = threading.Event(), threading.Event()
-    got = {}
-
-    class Waits(nn.Module):
-        def forward(self, x):
-            inside.set()
-            assert done.wait(10)
-            return torch.log(x)
-
-    def plain():
-        assert inside.wait(10)
-        got["plain"] = torch.log(ZERO)
-        done.set()
-
-    t = threading.Thread(target=plain)
-    t.start()
-    got["hardened"] = nanpass.harden(Waits())(ZERO)
-    t.join()
-    assert got["plain"].isinf().all() and torch.isfinite(got["hardened"]).all()
-
-
-def test_a_call_the_swap_missed_on_an_unsampled_call_is_found_at_the_next_sample():
-    """The hole the survey leaves, as documented (docs/architecture.md, "The fast path"): a
-    branch first taken on an unsampled call, reaching a spelling through an object the scan
-    does not read, runs unguarded there; the next sampled call guards it, warns, and the model
-    stays under the mode."""
+def test_a_reference_in_an_object_no_scan_reads_is_found_by_the_first_call_and_said_later():
+    """The hole the survey leaves, as documented (docs/architecture.md, "The stand-ins"): a
+    reference to torch's own function taken before import nanpass, kept where no scan looks
+    and first reached on an unsampled call, runs unguarded there; the next sampled call guards
+    it, warns, and the model stays under the mode."""
 
     class Late(nn.Module):
         def forward(self, x, late=False):
@@ -277,10 +474,9 @@ def test_a_call_the_swap_missed_on_an_unsampled_call_is_found_at_the_next_sample
     safe(ZERO)
     assert safe.interception == "swap"
     assert safe(ZERO, late=True).isinf().all()  # call 2: unsampled, unguarded
-    with pytest.warns(nanpass.GuardWarning, match=r"^nanpass: torch.log at .*test_fastpath.py:\d+ is called "
-                      r"from code the scan of the model did not reach; the calls before this one may"):
+    with pytest.warns(nanpass.GuardWarning, match=r"^nanpass: torch.log at .*test_fastpath.py:\d+ is reached "
+                      r"through a reference to torch's own function taken before import nanpass"):
         assert torch.isfinite(safe(ZERO, late=True)).all()  # call 3: sampled
-    assert torch.isfinite(safe(ZERO, late=True)).all()  # call 4: surveyed again, the swap missed
     assert safe.interception.startswith("mode: torch.log at ")
     assert torch.isfinite(safe(ZERO, late=True)).all()
 
@@ -300,9 +496,9 @@ def _train_step(model, batch):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "mixtral", "vit"])
-def test_real_models_take_the_swap_and_match_the_mode_bit_for_bit(name):
-    """Hugging Face's own code: no spelling reached where the swap cannot see it, and the same
-    loss, gradients and guarded sites as under the mode."""
+def test_real_models_take_the_stand_ins_and_match_the_mode_bit_for_bit(name):
+    """Hugging Face's own code: no spelling reached past the stand-ins, and the same loss,
+    gradients and guarded sites as under the mode."""
     from tests import hf_models
 
     model, batch = hf_models.build(name)
@@ -339,32 +535,3 @@ def test_a_compiled_region_inside_a_hardened_call_is_guarded():
     assert safe.interception.startswith("mode: inner is torch.compile'd")
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
     assert torch.compile(lambda t: torch.log(t), backend="aot_eager", fullgraph=True)(ZERO).isinf().all()
-
-
-def _rsqrt_helper(x):
-    return x.rsqrt()
-
-
-class _Helpers:
-    def __init__(self):
-        self.fns = {"f": _rsqrt_helper}
-
-
-HELPERS = _Helpers()
-
-
-class Learns(nn.Module):  # its Tensor method lives where the scan does not look
-    def forward(self, x):
-        return HELPERS.fns["f"](x)
-
-
-def test_a_tensor_method_the_scan_did_not_see_is_swapped_from_the_survey_on():
-    import warnings
-
-    safe = nanpass.harden(Learns(), watch=None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert torch.isfinite(safe(ZERO)).all()  # the first call's survey guards it
-        assert torch.isfinite(safe(ZERO)).all()  # then its stand-in does
-    assert safe.interception == "swap"
-    assert "rsqrt" in {s.name for s in safe._nanpass_sites._swaps if s.where is torch.Tensor}
