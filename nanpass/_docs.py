@@ -32,7 +32,11 @@ and compiled) and property-tested with hypothesis per op family (`tests/test_con
    grid). So `x ** -0.5` at +inf is 0, `exp` keeps its own value up to its last finite operand
    (88.7228 in float32), `log` of a subnormal is its own -103, a softmax row with a -inf entry
    next to -max keeps its exact answer, and a cosine that rounding puts at 1.001 stays 1.001
-   (acos guards its own operand). A guard changes only what the original makes non-finite.
+   (acos guards its own operand). A guard changes only what the original makes non-finite
+   from finite or infinite operands: **a NaN that arrives as an operand stays NaN** where the
+   plain op gives NaN, in the value and the gradient (`tests/test_upstream_nan.py`, every rule
+   and dtype, eager and compiled), so a NaN weight, a NaN in the data or one an unguarded op
+   made still reaches the user, GradScaler, StepGuard and check mode.
 
 **The model as a whole.** A guard that replaces an infinity (an overflow, an infinite operand,
 a pole) does not return +-max but +-sat, the stand-in for an infinity: the largest power of two
@@ -101,7 +105,7 @@ exactly the incoming gradient there, and zero outside), maps +-inf to +-sat with
 a *finite-gradient fence* between the clamp and the op: identity forward; in backward a gradient
 that is not finite (the derivative of sqrt at 0, of acos at 1) becomes 0 — unless the gradient
 that arrived at the guard's result was already non-finite (a loss-scale overflow, a NaN from
-further up): the fence hands out a token, a 0-d zero tied to the guard's result, whose gradient
+further up), or a NaN came in with an operand: the fence hands out a token, a 0-d zero tied to the guard's result, whose gradient
 is NaN exactly then (computed on the device, no sync, no Python state), and then the fence
 passes the gradient as it came, so GradScaler and StepGuard still see it. A guard zeroes only its
 own op's singular derivative (`tests/test_rule_contract.py`, `tests/test_mixed_precision.py`). The op never sees an

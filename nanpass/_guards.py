@@ -8,13 +8,20 @@ operands outside the op's safe domain, with three building blocks:
 * ``clip`` (``torch.clamp``'s value) into a closed domain where the op and its derivative are
   finite: identity inside (value and gradient bitwise, the bounds included), zero gradient
   outside;
-* ``finite``: +-inf to +-max and NaN to 0, identity on finite values; its gradient passes
-  straight through (nothing saved, no backward kernel);
+* ``finite``: +-inf to +-sat, identity on finite values; a NaN stays NaN, or, where the op
+  can make one of its own, becomes 0 unless an operand brought one (``nan_in``); its gradient
+  passes straight through (nothing saved, no backward kernel);
 * ``fence``: identity forward; in backward, a gradient that is not finite becomes 0 unless
-  the gradient that reached the guard's result was already non-finite (``Fences``: a token
-  tied to the result carries that verdict through autograd itself). This is what defeats the
-  double-where trap: the op never sees an unsafe operand, and a derivative that is infinite
-  at the boundary (sqrt at 0, acos at 1) cannot leak NaN.
+  the gradient that reached the guard's result was already non-finite, or a NaN came in with
+  an operand (``Fences``: a token tied to the result carries that verdict through autograd
+  itself). This is what defeats the double-where trap: the op never sees an unsafe operand,
+  and a derivative that is infinite at the boundary (sqrt at 0, acos at 1) cannot leak NaN.
+
+A NaN from upstream stays NaN (issue 44, item 2): a guard changes only what its own op makes
+non-finite from finite or infinite operands. A NaN operand (a NaN parameter, a NaN in the data)
+gives NaN wherever the plain op gives NaN, in the value (elementwise, at the same positions; a
+reduction or loss over it whole) and in the gradient, so the user, GradScaler, StepGuard and
+check mode still see it.
 
 Every guard is an ordinary tensor program: its custom Functions (the fence, the straight-through
 saturations) read no Python state and hand no view to the user, so in-place writes on a guard's
@@ -38,7 +45,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._compat import (
-    CLAMP_GRAD_AT_BOUNDS,
+    CLAMP_GRAD_AT_BOUNDS,  # noqa: F401 - named in clip's docstring; tests set it
     eager_handler,
     entered,
     function_apply,
@@ -82,15 +89,61 @@ def _all_finite_on_host(t) -> bool:
             and math.isfinite(t.sum().item()))
 
 
-def _saturate(t: Tensor) -> Tensor:
+_NAN = float("nan")
+
+
+def _saturate(t: Tensor, nan: Tensor | float | None = None) -> Tensor:
     """+-inf to +-sat (the stand-in for an infinity: headroom for the next op, and for a product
-    of two), NaN to 0; finite values as they
-    are. Under torch.compile, written with where: inductor's CPU code generator scalarises
-    nan_to_num (isnan) and that costs more than the op it guards."""
+    of two); finite values as they are; a NaN as it is, or ``nan`` where given (``nan_in``'s: 0
+    for the op's own NaN, NaN for one an operand brought). Under torch.compile, written with
+    where: inductor's CPU code generator scalarises nan_to_num (isnan) and that costs more than
+    the op it guards."""
     b = bounds(t.dtype)
     if torch.compiler.is_compiling():
-        return torch.where(t != t, 0.0, torch.where(t > b.max, b.sat, torch.where(t < -b.max, -b.sat, t)))
-    return torch.nan_to_num(t, nan=0.0, posinf=b.sat, neginf=-b.sat)
+        s = torch.where(t > b.max, b.sat, torch.where(t < -b.max, -b.sat, t))  # NaN compares False
+        if nan is None:
+            return s
+        return torch.where(t != t, nan if not isinstance(nan, Tensor) else nan.to(t.dtype), s)
+    if not isinstance(nan, Tensor):  # None or a number: one pass
+        return torch.nan_to_num(t, nan=_NAN if nan is None else nan, posinf=b.sat, neginf=-b.sat)
+    # (written so that certify's intervals see the finite result where no operand is NaN: the
+    # test t != t is false there, and nan's box [0, 0])
+    s = torch.nan_to_num(t, nan=0.0, posinf=b.sat, neginf=-b.sat)
+    return torch.where(t != t, nan if nan.dtype == t.dtype else nan.to(t.dtype), s)
+
+
+def _floating(tensors) -> list[Tensor]:
+    """The floating tensors among ``tensors`` whose elements can be read (a dim of static size 0
+    has none: dynamo specialises 0 and 1, so a symbolic size is taken as non-empty)."""
+    return [a for a in tensors if isinstance(a, Tensor) and a.is_floating_point()
+            and a.layout == torch.strided and not a.is_nested
+            and not any(isinstance(n, int) and n == 0 for n in a.shape)]
+
+
+def call_operands(fn, args: tuple, kwargs: dict) -> list:
+    """Every tensor a call reads: its arguments, and a module's own parameters and buffers (an
+    fx capture keeps ``nn.LayerNorm`` whole: its weight is no argument)."""
+    ops = [*args, *kwargs.values()]
+    if isinstance(fn, torch.nn.Module):
+        ops += [*fn.parameters(), *fn.buffers()]
+    return ops
+
+
+def nan_in(operands) -> Tensor | float:
+    """What a NaN in the op's result becomes, for ``finite(out, nan)``: NaN where a floating
+    operand holds a NaN (it came from upstream; the result is the plain op's, NaN included), 0
+    where none does (the NaN is the op's own, made from finite or infinite operands: 0/0,
+    inf - inf, every target ignored). A 0-d tensor from one read of each operand (its amax: a
+    NaN propagates, an infinity does not), no copy; the number 0.0 where no operand has an
+    element to read. For an op that is not elementwise (a norm, a loss, a factorisation), where
+    a NaN operand reaches results that no per-element mask could name; an elementwise guard
+    keeps NaN by position (``finite_by_position``)."""
+    top = None
+    for a in _floating(operands):
+        m = a.detach().amax()
+        top = m if top is None else torch.maximum(top, m)
+    # NaN stays NaN, every other value (+-inf too) becomes 0
+    return 0.0 if top is None else top.clamp(0, 0)
 
 
 def _fence_grad(grad: Tensor, token_grad: Tensor) -> Tensor:
@@ -146,8 +199,8 @@ class _Finite(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x):
-        return _saturate(x)
+    def forward(x, nan):
+        return _saturate(x, nan)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -157,12 +210,12 @@ class _Finite(torch.autograd.Function):
     def backward(ctx, grad):
         # straight through: nothing saved, no backward kernel; the guarded op's own
         # gradient is finite at +-max, and a fence sits before any op whose is not
-        return grad
+        return grad, None
 
 
 class _FiniteJvp(_Finite):
     @staticmethod
-    def jvp(ctx, tangent):
+    def jvp(ctx, tangent, _):
         return tangent
 
 
@@ -171,13 +224,27 @@ _FENCE_EAGER = function_apply(_FenceJvp)
 _FINITE_EAGER = function_apply(_FiniteJvp)
 
 
-def _tie(y, token: Tensor):
-    """``y`` (bit for bit: y + (-0.0)), a fresh tensor whose backward sends sum(grad * 0) to
-    the token: 0 for a finite gradient, NaN for one with an inf or NaN (no overflow of a sum of
-    large finite gradients, as a plain sum would have)."""
+def _tie(y, token: Tensor, nan=None):
+    """``y`` (bit for bit: y + (-0.0)), a fresh tensor whose backward sends sum(grad * z) to
+    the token, z the 0-d ``_upstream_nan``: with z 0, 0 for a finite gradient and NaN for one
+    with an inf or NaN (no overflow of a sum of large finite gradients, as a plain sum would
+    have); with z 1 (a NaN came in with an operand), -sum(grad), not 0 but for a gradient that
+    sums to exactly 0: the fences then pass the op's gradient as it is, NaN included, as the
+    plain op's."""
     if not isinstance(y, Tensor) or not y.requires_grad or not y.is_floating_point():
         return y
-    return torch.addcmul(y, token.to(y.dtype), torch.zeros((), dtype=y.dtype, device=y.device), value=-1)
+    return torch.addcmul(y, token.to(y.dtype), _upstream_nan(y, nan), value=-1)
+
+
+def _upstream_nan(y: Tensor, nan) -> Tensor:
+    """0-d in y's dtype: 1 where a NaN came in with an operand, else 0. ``nan`` is the guard's
+    ``nan_in`` where it read its operands (NaN: one did); otherwise the result tells, as only a
+    NaN operand makes a guard's result NaN (one read of it, its amax)."""
+    if isinstance(nan, Tensor):
+        return torch.isnan(nan).to(y.dtype)
+    if nan is not None or not _floating([y]):
+        return torch.zeros((), dtype=y.dtype, device=y.device)
+    return torch.isnan(y.detach().amax()).to(y.dtype)
 
 
 def _no_fence(x):
@@ -186,12 +253,14 @@ def _no_fence(x):
 
 class Fences:
     """The fences of one guard call: ``fence(x)`` on each operand whose derivative may be
-    singular, then ``tie(out)`` on the result. Local to the call: nothing a transform sees."""
+    singular, then ``tie(out)`` on the result. Local to the call: nothing a transform sees.
+    ``nan``: the guard's ``nan_in`` where it read its operands for one (``upstream``)."""
 
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "nan")
 
     def __init__(self):
         self.tokens = []
+        self.nan = None
 
     def __call__(self, x):
         if isinstance(x, Tensor) and x.requires_grad and x.is_floating_point():
@@ -205,7 +274,14 @@ class Fences:
         token = self.tokens[0]
         for t in self.tokens[1:]:
             token = token + t.to(token.dtype)
-        return _each(out, lambda o: _tie(o, token))
+        return _each(out, lambda o: _tie(o, token, self.nan))
+
+
+def upstream(fence, nan) -> None:
+    """Tell a guard call's fences (``Fences`` or ``Hooked``) whether a NaN came in with an
+    operand (``nan_in``'s value), so that they need not read the result for it."""
+    if isinstance(fence, (Fences, Hooked)):
+        fence.nan = nan
 
 
 def _each(out, f):
@@ -235,11 +311,12 @@ class Hooked:
     summed at the operand past any check, where a fence node checks their sum (div's second
     derivative at huge operands; docs/architecture.md). Eager only: hooks are Python state."""
 
-    __slots__ = ("edges", "floor")
+    __slots__ = ("edges", "floor", "nan")
 
     def __init__(self):
         self.edges = {}
         self.floor = sequence_nr()
+        self.nan = None  # as Fences.nan
 
     def __call__(self, x):
         if isinstance(x, Tensor) and x.requires_grad and x.is_floating_point():
@@ -251,16 +328,20 @@ class Hooked:
 
     def tie(self, out):
         if self.edges:
-            _hook_fences(out, self.edges, self.floor)
+            _hook_fences(out, self.edges, self.floor, self.nan)
         return out
 
 
-def _hook_fences(out, edges: dict, floor: int) -> None:
-    roots = {}
+def _hook_fences(out, edges: dict, floor: int, nan=None) -> None:
+    """``nan``: as ``_tie``'s; a create_graph backward's own hooks (a gradient as the result)
+    take none (0)."""
+    roots, upstream_nan = {}, {}
     for o in out if isinstance(out, tuple) else (out,):
         node = getattr(o, "grad_fn", None) if isinstance(o, Tensor) else None
         if node is not None and node_sequence_nr(node) >= floor:
             roots[id(node)] = node
+            if nan is not False and o.is_floating_point():
+                upstream_nan[id(node)] = _upstream_nan(o, nan)
     if not roots:
         return
     # the walk holds every node wrapper it has met (``seen`` maps id to the node): torch <= 2.12
@@ -285,14 +366,20 @@ def _hook_fences(out, edges: dict, floor: int) -> None:
     verdict: dict = {}
     start = [floor]  # where this call's backward began making nodes (a create_graph backward)
     for key, node in roots.items():
-        node.register_prehook(_take_verdict(verdict, key, start))
+        node.register_prehook(_take_verdict(verdict, key, start, upstream_nan.get(key)))
     for node, at in readers:
         node.register_hook(_fence_reads(verdict, at, edges, start))
 
 
-def _take_verdict(verdict: dict, key: int, start: list):
+def _take_verdict(verdict: dict, key: int, start: list, upstream_nan: Tensor | None):
+    """The verdict (0: the op's own non-finite gradients are zeroed) from the gradient arriving
+    at the result (NaN where it is not finite) plus ``upstream_nan`` (1 where a NaN came in
+    with an operand)."""
+
     def pre(grad_outputs):
         tokens = [(g.detach() * 0).sum() for g in grad_outputs if g is not None]
+        if tokens and upstream_nan is not None:
+            tokens.append(upstream_nan.to(tokens[0].dtype))
         verdict[key] = sum(tokens[1:], tokens[0]) if tokens else None
         start[0] = sequence_nr()
 
@@ -313,7 +400,7 @@ def _fence_reads(verdict: dict, at: frozenset, edges: dict, start: list):
             if out[i] is not None:
                 out[i] = _fence_read(out[i], token)
                 if out[i].requires_grad:
-                    _hook_fences(out[i], edges, start[0])
+                    _hook_fences(out[i], edges, start[0], False)
         return tuple(out)
 
     return post
@@ -339,20 +426,51 @@ def fenced(impl, fn, args, kwargs, consts):
     return fences.tie(impl(fn, args, kwargs, consts, fences))
 
 
-def finite(x):
-    """+-inf to +-max, NaN to 0: identity on finite values; the gradient passes straight through."""
+def finite(x, nan: Tensor | float | None = None):
+    """+-inf to +-sat, identity on finite values; a NaN stays NaN (an operand's, from upstream),
+    or becomes ``nan`` where given (``nan_in``'s: 0 where the op made it, NaN where an operand
+    brought one). The gradient passes straight through."""
     if not isinstance(x, Tensor) or not x.is_floating_point():
         return x
     if x.is_nested:  # the encoder's inference fast path (padding dropped): each sequence's own
-        return torch.nested.as_nested_tensor([finite(t) for t in x.unbind()])
-    _count(lambda: ~torch.isfinite(x))
+        return torch.nested.as_nested_tensor([finite(t, nan) for t in x.unbind()])
+    _count(lambda: _changed(x, nan))
     if not x.requires_grad:
-        return _saturate(x)
-    return _Finite.apply(x) if torch.compiler.is_compiling() else _FINITE_EAGER(x)
+        return _saturate(x, nan)
+    return _Finite.apply(x, nan) if torch.compiler.is_compiling() else _FINITE_EAGER(x, nan)
 
 
-def finite_all(out):
-    return _each(out, finite)
+def _changed(x: Tensor, nan) -> Tensor:
+    """The elements ``finite(x, nan)`` changes: the infinities, and a NaN that becomes 0."""
+    if nan is None or not isinstance(nan, Tensor) and nan != 0:
+        return torch.isinf(x)
+    return torch.isinf(x) | torch.isnan(x) & (nan == 0)
+
+
+def finite_all(out, nan: Tensor | float | None = None):
+    return _each(out, lambda o: finite(o, nan))
+
+
+def finite_by_position(y, *operands, always: bool = False):
+    """``finite(y)`` for an elementwise op that can make a NaN of its own (0 / 0, inf / inf,
+    (-2) ** 0.5, xlogy(inf, 1)): its NaN becomes 0, and a NaN where an operand (broadcast) is
+    NaN stays, as the plain op's (``always``: the op is NaN wherever an operand is, as a
+    division, so y is not read for it). Where no operand is NaN, the test is false: certify's
+    intervals see ``finite(y, 0.0)``."""
+    s = finite(y, 0.0)
+    if not isinstance(s, Tensor) or not s.is_floating_point():
+        return s
+    upstream = None
+    for a in operands:
+        if isinstance(a, Tensor) and a.is_floating_point():
+            a = a.detach()
+            upstream = a != a if upstream is None else upstream | (a != a)
+    if upstream is None:
+        return s
+    if not always:
+        yd = y.detach()
+        upstream = upstream & (yd != yd)
+    return torch.where(upstream, _NAN, s)
 
 
 def operands(args: tuple, kwargs: dict, names: tuple[str, ...]):
@@ -376,11 +494,12 @@ def _unary(args, kwargs):
 
 
 def clip(x: Tensor, lo: float | None, hi: float | None) -> Tensor:
-    """``torch.clamp(x, lo, hi)``, with gradient 1 on the closed ``[lo, hi]``: the original's
-    gradient at a bound (log at max, exp at log(max)). From torch 2.14 clamp's own gradient
-    there is 0, so where a gradient is taken the clip is written with ``where`` (NaN stays
-    NaN, as in clamp)."""
-    if not x.requires_grad or CLAMP_GRAD_AT_BOUNDS:
+    """``torch.clamp(x, lo, hi)``, with gradient 1 on the closed ``[lo, hi]`` and at a NaN: the
+    original's gradient at a bound (log at max, exp at log(max)), and a NaN operand's, NaN as
+    the plain op's. clamp's own gradient is 0 at a NaN (and, from torch 2.14, at a bound:
+    ``CLAMP_GRAD_AT_BOUNDS``), so where a gradient is taken the clip is written with ``where``
+    (NaN stays NaN, as in clamp)."""
+    if not x.requires_grad:
         return torch.clamp(x, lo, hi)
     if lo is not None:
         x = torch.where(x < lo, lo, x)
@@ -422,7 +541,7 @@ def clamped(lo: str | None, hi: str | None, open_at: float | None = None,
             xs = xs if top is None else clip(xs, None, top)
         else:
             xs = clip(x, low, top)
-        _count(lambda: xs != x)
+        _count(lambda: (xs != x) & (x == x))  # (a NaN stays)
         if singular is None:
             y = fn(fence(xs), *rest, **kw)
             if pole is not None and low == bounds(x.dtype).tiny:
@@ -485,7 +604,7 @@ def overflowing(hi: str, own: str) -> Callable:
         x, rest, kw = _unary(args, kwargs)
         top = consts(x.dtype)[hi]
         xs = clip(x, None, top)
-        _count(lambda: xs != x)
+        _count(lambda: (xs != x) & (x == x))  # (a NaN stays)
         y = fn(xs, *rest, **kw)
         b = bounds(y.dtype)
         return torch.where(x > getattr(b, own), b.sat, y)
@@ -512,21 +631,22 @@ def logit(fn, args, kwargs, consts, fence):
         # respect the user's eps, but never 1 - eps == 1.0
         lo, hi = max(lo, e_lo), min(hi, e_hi)
     xs = clip(_raised(x, lo), None, hi)
-    _count(lambda: xs != x)
+    _count(lambda: (xs != x) & (x == x))
     return fn(fence(xs), *rest, **kw)
 
 
 # -- division -----------------------------------------------------------------------------
 
 
-def _quotient(q: Tensor, zero) -> Tensor:
-    """0 where the divisor is 0 (as tf.math.divide_no_nan), +-max where the quotient overflows."""
+def _quotient(q: Tensor, zero, *operands) -> Tensor:
+    """0 where the divisor is 0 (as tf.math.divide_no_nan), +-sat where the quotient overflows,
+    0 for inf / inf; NaN where an operand is NaN (NaN / 0 too), as the plain op's."""
     if isinstance(zero, Tensor):
         _count(lambda: zero)
         q = torch.where(zero, 0.0, q)
     elif zero:  # a constant 0 divisor: 0, still connected to the graph for backward
         q = torch.where(torch.ones((), dtype=torch.bool, device=q.device), 0.0, q)
-    return finite(q)
+    return finite_by_position(q, *operands, always=True)
 
 
 def div(fn, args, kwargs, consts, fence):
@@ -534,12 +654,12 @@ def div(fn, args, kwargs, consts, fence):
     q = fn(fence(x), fence(d), *rest, **kw)
     if not q.is_floating_point():
         return q
-    return _quotient(q, d == 0)
+    return _quotient(q, d == 0, x, d)
 
 
 def reciprocal(fn, args, kwargs, consts, fence):
     x, rest, kw = _unary(args, kwargs)
-    return _quotient(fn(fence(x), *rest, **kw), x == 0)
+    return _quotient(fn(fence(x), *rest, **kw), x == 0, x)
 
 
 # -- pow ----------------------------------------------------------------------------------
@@ -556,7 +676,7 @@ def pow_(fn, args, kwargs, consts, fence):
         if dom is None:
             return fn(x, p, *rest, **kw)
         xs = _away_from_zero(x, dom.away) if dom.away else clip(x, dom.lo, dom.hi)
-        moved = xs != x
+        moved = (xs != x) & (x == x)  # a NaN base is no moved one: its power stays NaN
         _count(lambda: moved)
         # for p > 0 the domain keeps p * x ** (p - 1) finite, except at 0 when 0 < p < 1: there
         # the power runs on 1 and the result is 0 (+-0 ** p is +0), with derivative 0 at every
@@ -587,20 +707,21 @@ def pow_(fn, args, kwargs, consts, fence):
             # (-inf) ** p is 0 plain, and stays so
             y = torch.where(x == 0 if float(p).is_integer() else x <= 0, 0.0, y)
         return y
-    # a tensor exponent: any base, any exponent; saturate the value, fence the gradients
-    return finite(fn(fence(x), fence(p), *rest, **kw))
+    # a tensor exponent: any base, any exponent; saturate the value (the op's own NaN, a
+    # negative base of a fractional power, to 0), fence the gradients
+    return finite_by_position(fn(fence(x), fence(p), *rest, **kw), x, p)
 
 
 # -- softmax family -----------------------------------------------------------------------
 
 
 def finite_operand(fn, args, kwargs, consts, fence):
-    """logsigmoid: -inf gives logsigmoid(-sat) (-sat) instead of -inf, NaN that of 0; +inf
-    keeps its own finite -0.0."""
+    """logsigmoid: -inf gives logsigmoid(-sat) (-sat) instead of -inf; +inf keeps its own
+    finite -0.0, a NaN its NaN."""
     x, rest, kw = _unary(args, kwargs)
     if x.is_floating_point():
-        _count(lambda: (x == float("-inf")) | torch.isnan(x))
-        x = torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=-bounds(x.dtype).sat)
+        _count(lambda: x == float("-inf"))
+        x = torch.nan_to_num(x, nan=_NAN, posinf=float("inf"), neginf=-bounds(x.dtype).sat)
     return fn(x, *rest, **kw)
 
 
@@ -642,17 +763,17 @@ def masked_rows(sign: int) -> Callable:
 
 
 class _FiniteRows(torch.autograd.Function):
-    """``finite`` for the rows (along ``dim``) whose largest entry is not finite: -inf as -max,
-    +inf as max, NaN as 0; other rows as they are. Its gradient passes straight through, as
-    ``finite``'s: one autograd node, nothing saved."""
+    """``finite`` for the rows whose largest entry (``top``, the amax along the op's dim) is
+    not finite: -inf as -max, +inf as max, a NaN kept (its row is NaN, as the plain op's);
+    other rows as they are. Its gradient passes straight through, as ``finite``'s: one autograd
+    node, nothing saved."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, dim):
+    def forward(x, top):
         b = bounds(x.dtype)
-        bad = ~torch.isfinite(x.amax(dim, keepdim=True))
-        return torch.where(bad, torch.nan_to_num(x, nan=0.0, posinf=b.max, neginf=-b.max), x)
+        return torch.where(~torch.isfinite(top), torch.nan_to_num(x, nan=_NAN, posinf=b.max, neginf=-b.max), x)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -673,25 +794,27 @@ _FINITE_ROWS_EAGER = function_apply(_FiniteRowsJvp)
 
 
 def finite_in_out(fn, args, kwargs, consts, fence):
-    """log_softmax: a row whose largest entry is not finite (all -inf, a +inf, a NaN) is read
-    with -inf as -max, +inf as max (the winner) and NaN as 0 (an all -inf row becomes uniform);
-    every other row runs as written, so a -inf entry next to finite ones keeps its neighbours'
-    bits (a finite stand-in for it could outweigh entries as low as -max), and its own -inf
-    result becomes -sat, the stand-in for -inf."""
+    """log_softmax: a row whose largest entry is not finite (all -inf, a +inf) is read with
+    -inf as -max and +inf as max (the winner; an all -inf row becomes uniform), and a row with a
+    NaN stays NaN, as the plain op's; every other row runs as written, so a -inf entry next to
+    finite ones keeps its neighbours' bits (a finite stand-in for it could outweigh entries as
+    low as -max), and its own -inf result becomes -sat, the stand-in for -inf."""
     x, rest, kw = _unary(args, kwargs)
     if not x.is_floating_point() or x.numel() == 0:
-        return finite(fn(x, *rest, **kw))
+        return finite(fn(x, *rest, **kw), 0.0)
     if type(x) is Tensor and x.device.type == "cpu" and not isinstance(fn, torch.nn.Module):
         out = fn(x, *rest, **kw)  # (a module's call twice would run its hooks twice)
         if _all_finite_on_host(out):  # every row finite: nothing to move, its gradient finite
             return out
     dim = _softmax_dim(fn, rest, kw, x)
-    _count(lambda: ~torch.isfinite(x.amax(dim, keepdim=True)).expand_as(x) & ~torch.isfinite(x))
+    top = x.detach().amax(dim, keepdim=True)
+    _count(lambda: ~torch.isfinite(top).expand_as(x) & torch.isinf(x))
     if not x.requires_grad:
-        xs = _FiniteRows.forward(x, dim)
+        xs = _FiniteRows.forward(x, top)
     else:
-        xs = _FiniteRows.apply(x, dim) if torch.compiler.is_compiling() else _FINITE_ROWS_EAGER(x, dim)
-    return finite(fn(xs, *rest, **kw))
+        xs = _FiniteRows.apply(x, top) if torch.compiler.is_compiling() else _FINITE_ROWS_EAGER(x, top)
+    # a row's NaN is an operand's (every other row is finite now): NaN where its row holds one
+    return finite(fn(xs, *rest, **kw), top.clamp(0, 0))
 
 
 def logsumexp(fn, args, kwargs, consts, fence):
@@ -702,20 +825,25 @@ def logsumexp(fn, args, kwargs, consts, fence):
     if not x.is_floating_point():
         return fn(x, *rest, **kw)
     if x.numel() == 0:  # over an empty dim: -inf, as an all -inf slice (amax of none raises)
-        return finite(fn(x, *rest, **kw))
+        return finite(fn(x, *rest, **kw), 0.0)
     dim = rest[0] if rest else kw.get("dim")
     sat = bounds(x.dtype).sat
     with torch.no_grad():
-        empty = x.amax(dim, keepdim=True) == float("-inf")
+        top = x.amax(dim, keepdim=True)
+        empty = top == float("-inf")
     _count(lambda: empty.expand_as(x) | (x == float("inf")))
     xs = torch.where(empty, -sat, torch.where(x == float("inf"), sat, x))
-    return finite(fn(xs, *rest, **kw))
+    # its only NaN now are an operand's: NaN where the operand holds one
+    return finite(fn(xs, *rest, **kw), top.amax().clamp(0, 0))
 
 
 def finite_result(fn, args, kwargs, consts, fence):
-    """std/var: NaN when there are too few elements (0 instead), infinite gradient at 0 spread."""
+    """std/var: NaN when there are too few elements (0 instead, unless the operand holds a
+    NaN), infinite gradient at 0 spread."""
     x, rest, kw = _unary(args, kwargs)
-    return finite_all(fn(fence(x), *rest, **kw))
+    nan = nan_in(call_operands(fn, args, kwargs))
+    upstream(fence, nan)
+    return finite_all(fn(fence(x), *rest, **kw), nan)
 
 
 def xlogy(fn, args, kwargs, consts, fence):
@@ -730,9 +858,12 @@ def xlogy(fn, args, kwargs, consts, fence):
             move = move & (x != 0)
         ys = y if not isinstance(x, Tensor) and x == 0 else torch.where(move, lo, y)
         ys = clip(ys, None, c["hi"])
-        _count(lambda: ys != y)
-        y = fence(ys)
-    return finite(fn(fence(x), y, *rest, **kw))
+        _count(lambda: (ys != y) & (y == y))
+        y_in, y = y, fence(ys)
+    else:
+        y_in = y
+    # xlogy(+-inf, 1) is inf * 0: the op's own NaN, 0; a NaN operand's stays
+    return finite_by_position(fn(fence(x), y, *rest, **kw), x, y_in)
 
 
 # -- composite calls ----------------------------------------------------------------------
@@ -792,32 +923,39 @@ def _each_read(fn, fence):
 def finite_call(fn, args, kwargs, consts, fence):
     """Ops whose unsafe set is no simple domain (norms at 0, repeated eigenvalues in eigh/svd
     backward, logdet of a singular matrix, lgamma's poles, overflow of cosh): the op runs on
-    the user's operands; a non-finite result saturates (NaN to 0) and a non-finite gradient
-    into any floating operand becomes 0. Identity wherever the original is finite."""
+    the user's operands; a non-finite result saturates (its own NaN to 0) and a non-finite
+    gradient into any floating operand becomes 0. Identity wherever the original is finite.
+    Where an operand holds a NaN, the op's result and gradients are the plain op's, NaN
+    included (``nan_in``): the op is no elementwise one, and a NaN reaches a whole row, norm or
+    loss."""
+    nan = nan_in(call_operands(fn, args, kwargs))
+    upstream(fence, nan)
     body = _each_read(fn, fence)
     if body is not None:
         operands = [a for a in (*args, *kwargs.values())
                     if isinstance(a, Tensor) and a.is_floating_point()]
         with _EachRead(fence, operands):
             out = body(*args, **kwargs)
-        return finite_all(out)
+        return finite_all(out, nan)
     fenced = tuple(fence(a) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args)
     kw = {k: fence(v) if isinstance(v, Tensor) and v.is_floating_point() else v
           for k, v in kwargs.items()}
-    return finite_all(fn(*fenced, **kw))
+    return finite_all(fn(*fenced, **kw), nan)
 
 
 def composite_call(fn, args, kwargs, consts, fence):
     """``finite_call`` for a torch composite written in C++ that reads an operand twice
     (``cosine_similarity``, ``poisson_nll_loss``'s ``exp(x) - t * x``): in eager its fences are
     ``Hooked``, so the autograd graph is the original's node for node; traced and under
-    functorch, ``finite_call``'s. A NaN result (an infinite operand, float16's 0/0) is 0."""
+    functorch, ``finite_call``'s. A NaN result (an infinite operand, float16's 0/0) is 0 unless
+    an operand holds a NaN (``nan_in``)."""
     if fence is _no_fence or sequence_nr is None or torch.compiler.is_compiling() or functorch_active():
         return finite_call(fn, args, kwargs, consts, fence)
     hooked = Hooked()
     for a in (*args, *kwargs.values()):
         hooked(a)
-    return hooked.tie(finite_all(fn(*args, **kwargs)))
+    hooked.nan = nan = nan_in(call_operands(fn, args, kwargs))
+    return hooked.tie(finite_all(fn(*args, **kwargs), nan))
 
 
 def batch_norm(fn, args, kwargs, consts, fence):
@@ -852,19 +990,28 @@ _F_BATCH_NORM = torch.nn.functional.batch_norm
 
 def finite_low_precision(fn, args, kwargs, consts, fence):
     """Products in float16 (max 65504) overflow on ordinary activations: saturate the result,
-    so the next op sees +-max, not inf (identity on finite values; straight-through gradient).
+    so the next op sees +-sat, not inf (identity on finite values; straight-through gradient).
     bfloat16 has float32's range: there, as in float32/float64, the op runs as written."""
     out = fn(*args, **kwargs)
     if not isinstance(out, Tensor) or out.dtype != torch.float16:
         return out
+    # a NaN out of a product is the op's own (an infinite operand: inf * 0, inf - inf), 0,
+    # unless an operand holds a NaN: then the plain op's, NaN included (one read of each)
+    nan = nan_in(call_operands(fn, args, kwargs))
     if torch.compiler.is_compiling() or view_base(out) is not None or "out" in kwargs:
-        return finite(out)
+        return finite(out, nan)
     # eager, a fresh result no one else holds yet: saturated in place, through a detached
     # alias, so autograd records nothing (the gradient passes straight through, as finite's)
     # and no second tensor is made (a product is the largest activation; autocast makes many)
     b = bounds(out.dtype)
-    _count(lambda: ~torch.isfinite(out))
-    out.detach().nan_to_num_(nan=0.0, posinf=b.sat, neginf=-b.sat)
+    _count(lambda: _changed(out, nan))
+    o = out.detach()
+    if not isinstance(nan, Tensor):
+        o.nan_to_num_(nan=nan, posinf=b.sat, neginf=-b.sat)
+        return out
+    made = o != o  # (as _saturate's: certify's intervals see a finite result where no operand is NaN)
+    o.nan_to_num_(nan=0.0, posinf=b.sat, neginf=-b.sat)
+    torch.where(made, nan.to(o.dtype), o, out=o)
     return out
 
 
@@ -880,30 +1027,39 @@ def ctc(fn, args, kwargs, consts, fence):
         args = (*args[:6], True, *args[7:])
     else:
         kwargs = {**kwargs, "zero_infinity": True}
-    return finite(fn(*args, **kwargs))
+    nan = nan_in(call_operands(fn, args, kwargs))
+    upstream(fence, nan)
+    return finite(fn(*args, **kwargs), nan)
 
 
 
 def loss(fn, args, kwargs, consts, fence):
-    """cross_entropy / nll_loss / kl_div: +-inf logits, 0/0 when every target is ignored."""
+    """kl_div / binary_cross_entropy_with_logits: +-inf operands to +-sat; the loss saturated,
+    its own NaN (a negative target's log) 0, a NaN operand's NaN."""
     (x, t), rest, kw = operands(args, kwargs, ("input", "target"))
-    return finite(fn(fence(finite(x)), fence(finite(t)), *rest, **kw))
+    nan = nan_in(call_operands(fn, args, kwargs))
+    upstream(fence, nan)
+    return finite(fn(fence(finite(x)), fence(finite(t)), *rest, **kw), nan)
 
 
 def logits_loss(fn, args, kwargs, consts, fence):
     """cross_entropy / nll_loss on the logits as they are: a vocabulary's logits are a step's
     largest activation, and a saturated copy would raise its peak memory by their size
     (GPT-2 under autocast: +0.8 GB). -inf logits (a masked vocabulary) keep their exact loss
-    and gradient; an inf loss (a -inf target logit) saturates; a NaN one (+inf or NaN logits, a
-    row of -inf, every target ignored) becomes 0, and the fence zeroes the gradient that made
-    it, so every other row trains as without the bad one."""
+    and gradient; an inf loss (a -inf target logit) saturates; a NaN one the op makes (+inf
+    logits, a row of -inf, every target ignored, an empty batch) becomes 0, and the fence
+    zeroes the gradient that made it, so every other row trains as without the bad one. A NaN
+    in the logits (or in probability targets, or the class weights) gives a NaN loss and the
+    plain op's gradient, NaN included (``nan_in``: one read of the logits, no copy)."""
     (x, t), rest, kw = operands(args, kwargs, ("input", "target"))
     if (type(x) is Tensor and x.device.type == "cpu" and not isinstance(fn, torch.nn.Module)
             and _all_finite_on_host(x)):
         out = fn(x, t, *rest, **kw)
         if _all_finite_on_host(out):  # finite logits and loss: finite targets and gradients (an
             return out  # ignored row of inf logits makes a NaN gradient beside a finite loss)
-    return finite(fn(fence(x), fence(finite(t)), *rest, **kw))
+    nan = nan_in(call_operands(fn, args, kwargs))
+    upstream(fence, nan)
+    return finite(fn(fence(x), fence(finite(t)), *rest, **kw), nan)
 
 
 # -- a mean over an empty selection ---------------------------------------------------------
@@ -974,12 +1130,12 @@ def _of_none(fn, args, kwargs):
     the op run without a graph (its backward averages no element: group_norm's kernel gives
     its weight a NaN gradient, and aot_autograd's decomposition raises) and each result tied
     to every operand by 0. Where a result has elements (a per-sample mean over an empty
-    feature dim), a NaN in it is read as 0."""
+    feature dim), a NaN in it is read as 0 unless an operand holds a NaN."""
     with torch.no_grad():
         out = fn(*args, **kwargs)
     results = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, Tensor)]
     if any(o.numel() for o in results):
-        return finite_all(fn(*args, **kwargs))
+        return finite_all(fn(*args, **kwargs), nan_in(call_operands(fn, args, kwargs)))
     ties = [a.sum() * 0 for a in (*args, *kwargs.values())
             if isinstance(a, Tensor) and a.requires_grad and a.is_floating_point()]
     if not ties:
@@ -1037,12 +1193,17 @@ def _scores(fn, args, kwargs, consts, fence):
     """float16 attention scores (q @ k^T, mask + q @ k^T), which only a softmax reads: +inf is
     max (the row's winner, as the true score was), -inf stays (weight 0, as in the original:
     a saturated -sat could beat finite scores below it), NaN (a masked -inf plus an overflowed
-    +inf) is -inf. A row left all -inf is the softmax guard's."""
+    +inf) is -inf, but where an operand (q, k, the mask) holds a NaN: then the plain scores,
+    NaN included. A row left all -inf is the softmax guard's."""
     s = fn(*args, **kwargs)
     if not isinstance(s, Tensor) or s.dtype != torch.float16:
         return s
-    _count(lambda: torch.isnan(s) | (s == float("inf")))
-    return torch.nan_to_num(s, nan=float("-inf"), posinf=bounds(s.dtype).max, neginf=float("-inf"))
+    nan = nan_in(call_operands(fn, args, kwargs))
+    _count(lambda: torch.isnan(s) & ~torch.isnan(torch.as_tensor(nan)) | (s == float("inf")))
+    scores = torch.nan_to_num(s, nan=float("-inf"), posinf=bounds(s.dtype).max, neginf=float("-inf"))
+    if not isinstance(nan, Tensor):  # no operand with elements: every NaN is the op's own
+        return scores
+    return torch.where(s != s, nan.to(s.dtype) - float("inf"), scores)  # -inf, or NaN
 
 
 _ATTENTION_CALLS = {"bmm": _scores, "baddbmm": _scores}

@@ -73,14 +73,25 @@ class Hardened(torch.nn.Module):
             return quarantine_call(self._forward_mode, args, kwargs)
         return self._forward_mode(*args, **kwargs)
 
-    def _call_impl(self, *args, **kwargs):
-        """Hooks registered on the hardened module itself run inside the hardened call: the
-        user registered them on the model they train."""
-        hooked = (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
-                  or self._backward_pre_hooks)
-        if not hooked or self._nanpass_config.mode not in ("guard", "guard+check"):
-            return super()._call_impl(*args, **kwargs)
-        return run_guarded(self._nanpass_sites, super()._call_impl, args, kwargs)
+    # hooks registered on the hardened module itself run inside the hardened call: the user
+    # registered them on the model they train (wrapped here, not in _call_impl: a frame of
+    # nanpass's around every call would be one more for dynamo to split at a graph break)
+    def register_forward_pre_hook(self, hook, *args, **kwargs):
+        return super().register_forward_pre_hook(self._guarded_hook(hook), *args, **kwargs)
+
+    def register_forward_hook(self, hook, *args, **kwargs):
+        return super().register_forward_hook(self._guarded_hook(hook), *args, **kwargs)
+
+    def register_full_backward_pre_hook(self, hook, *args, **kwargs):
+        return super().register_full_backward_pre_hook(self._guarded_hook(hook), *args, **kwargs)
+
+    def register_full_backward_hook(self, hook, *args, **kwargs):
+        return super().register_full_backward_hook(self._guarded_hook(hook), *args, **kwargs)
+
+    def _guarded_hook(self, hook):
+        if self._nanpass_config.mode not in ("guard", "guard+check"):
+            return hook
+        return _guarded_method(self._nanpass_sites, hook)
 
     def _forward_mode(self, *args, **kwargs):
         sites = self._nanpass_sites

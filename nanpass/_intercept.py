@@ -35,7 +35,7 @@ from ._config import Config
 from ._deferred import pole_flag, scalar
 from ._rewrite import Change, counted, guard_fn, make_checker, make_guard
 from ._rule import computes_in
-from ._rules import CALLS, Rule, Spelling
+from ._rules import CALLS, Rule, Spelling, as_written
 from ._stats import Counter, GuardWarning
 from ._watch import MOVE_ONLY, REARRANGE, Watch, leaves, readable
 from ._watch import inplace as _inplace
@@ -229,8 +229,10 @@ class Sites:
         if torch.compiler.is_compiling():  # no frames to walk, no site dict to read
             return self._traced(rule, sp, args, kwargs)
         module, frame = self._where(3)
-        key = (rule.name, sp.name, self._module_key(module), _code_key(frame),
-               frame.f_lasti if frame else None)
+        sp = as_written(hit, frame)[1]  # x / y reaches a mode as Tensor.div: named as written
+        # (one instruction can run 2 / x, then x / y: the reflected spelling is another site)
+        key = (rule.name, sp.name + "'" if swapped else sp.name, self._module_key(module),
+               _code_key(frame), frame.f_lasti if frame else None)
         return self._run_for(key, rule, sp, module, frame, args, kwargs)
 
     def _run_for(self, key, rule, sp, module, frame, args, kwargs):

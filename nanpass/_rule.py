@@ -194,6 +194,8 @@ def _resolve(name: str, removed: bool = False):
         obj = getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError):
         return None
+    if getattr(obj, "_nanpass_stand_in", False):  # (_fastpath's, installed at import) torch's own
+        obj = obj.__wrapped__
     return None if not removed and removed_op(obj) else obj
 
 

@@ -5,6 +5,7 @@ op is one ``Rule`` (plus, where needed, one guard in ``_guards.py``).
 
 from __future__ import annotations
 
+import dis
 from collections.abc import Callable, Iterator
 
 import torch
@@ -255,14 +256,16 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "std", g.finite_result,
         reason="NaN with too few elements; overflow; infinite gradient at zero spread",
-        action="a NaN result becomes 0 and overflow saturates; non-finite gradients become 0",
+        action="a NaN result becomes 0 unless an operand holds a NaN, and overflow saturates; "
+        "non-finite gradients become 0",
         functions=("torch.std", "torch.std_mean"), methods=("std",),
         sample=Sample(operands(tensor(1.0)), operands(tensor(1.0, 2.0, 4.0))),
     ),
     Rule(
         "var", g.finite_result,
         reason="NaN with too few elements; overflow",
-        action="a NaN result becomes 0 and overflow saturates; non-finite gradients become 0",
+        action="a NaN result becomes 0 unless an operand holds a NaN, and overflow saturates; "
+        "non-finite gradients become 0",
         functions=("torch.var", "torch.var_mean"), methods=("var",),
         sample=Sample(operands(tensor(1.0)), operands(tensor(1.0, 2.0, 4.0))),
     ),
@@ -271,7 +274,8 @@ RULES: tuple[Rule, ...] = (
         reason="over an empty selection it is 0 / 0 = NaN (a masked loss with no valid element: "
         "ZoeDepth's SILog loss on a depth map with no valid pixel); so is a median of no element "
         "(median scaling of a depth map with no valid pixel)",
-        action="a NaN result becomes 0; a mean over a non-empty selection is left as written",
+        action="a NaN result becomes 0 unless an operand holds a NaN; a mean over a non-empty "
+        "selection is left as written",
         functions=("torch.mean", "torch.nanmean", "torch.median", "torch.nanmedian"),
         methods=("mean", "nanmean", "median", "nanmedian"), inplace=False,
         safe_if=_nonempty_mean,
@@ -290,8 +294,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cross_entropy", g.logits_loss,
         reason="0/0 in the mean when every target is ignored; +inf logits, or a row of -inf, give NaN",
-        action="the loss saturated, a NaN loss becomes 0; non-finite gradients become 0 "
-        "(the logits are not copied; -inf logits keep their exact loss and gradient)",
+        action="the loss saturated; a NaN loss the op makes (+inf logits, a row of -inf, every "
+        "target ignored) becomes 0, a NaN in the logits stays NaN; non-finite gradients become 0 "
+        "(the logits are read, not copied; -inf logits keep their exact loss and gradient)",
         functions=("F.cross_entropy",), modules=("nn.CrossEntropyLoss",),
         sample=Sample(operands(_LOGITS, tensor(-100, -100, -100, dtype=torch.int64)),
                operands(_LOGITS, tensor(0, 3, 1, dtype=torch.int64)), ctor={"nn.CrossEntropyLoss": ()}),
@@ -299,8 +304,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "nll_loss", g.logits_loss,
         reason="0/0 in the mean when every target is ignored",
-        action="the loss saturated, a NaN loss becomes 0; non-finite gradients become 0 "
-        "(the input is not copied)",
+        action="the loss saturated, a NaN loss becomes 0 unless an operand holds a NaN; "
+        "non-finite gradients become 0 (the input is read, not copied)",
         functions=("F.nll_loss",), modules=("nn.NLLLoss",),
         sample=Sample(operands(_LOGITS, tensor(-100, -100, -100, dtype=torch.int64)),
                operands(_LOGITS, tensor(0, 3, 1, dtype=torch.int64)), ctor={"nn.NLLLoss": ()}),
@@ -358,8 +363,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cosine_similarity", g.composite_call,
         reason="+-inf operands give NaN; in float16 a zero vector gives 0/0 (eps 1e-8 is 0 there)",
-        action="a NaN result (an infinite operand, float16's 0/0) becomes 0, non-finite gradients 0 "
-        "(a cosine rounded past +-1 is the original's: acos/asin guard their operands)",
+        action="a NaN result (an infinite operand, float16's 0/0) becomes 0 unless an operand "
+        "holds a NaN, non-finite gradients 0 (a cosine rounded past +-1 is the original's: "
+        "acos/asin guard their operands)",
         functions=("F.cosine_similarity", "torch.cosine_similarity"),
         modules=("nn.CosineSimilarity",),
         sample=Sample(operands(tensor(INF, 1.0, shape=(1, 2)), tensor(1.0, 1.0, grad=False, shape=(1, 2))),
@@ -382,16 +388,18 @@ RULES: tuple[Rule, ...] = (
         reason="nn.MultiheadAttention's inference fast path (eval, no grad): a query whose every "
         "key is masked gives NaN, whatever the mask values; so does, in float16, a token whose "
         "projection or scores overflow inside the fused kernel",
-        action="a NaN result becomes 0 (what scaled_dot_product_attention gives a fully masked "
-        "row); the fused kernel's insides cannot be guarded: a float16 model that overflows "
-        "there gets the training path's saturated answer only with grad enabled",
+        action="a NaN result becomes 0 unless an operand holds a NaN (what "
+        "scaled_dot_product_attention gives a fully masked row); the fused kernel's insides "
+        "cannot be guarded: a float16 model that overflows there gets the training path's "
+        "saturated answer only with grad enabled",
         functions=("torch._native_multi_head_attention",),
     ),
     Rule(
         "encoder_layer_fast_path", g.finite_result,
         reason="nn.TransformerEncoderLayer's inference fast path (eval, no grad): a fully padded "
         "sequence gives NaN, whatever the mask values",
-        action="a NaN result becomes 0 (what scaled_dot_product_attention gives such a row)",
+        action="a NaN result becomes 0 unless an operand holds a NaN (what "
+        "scaled_dot_product_attention gives such a row)",
         functions=("torch._transformer_encoder_layer_fwd",),
     ),
     # -- ops whose unsafe set is no simple domain: saturate the result, fence the gradients ------
@@ -421,7 +429,8 @@ RULES: tuple[Rule, ...] = (
         "layer_norm", g.finite_call,
         reason="a constant row has zero variance: with an eps the dtype rounds to 0 (1e-12 in "
         "float16), 0/0 in value and gradient",
-        action="a non-finite result saturates (NaN to 0); non-finite gradients become 0",
+        action="a non-finite result saturates (NaN to 0 unless an operand holds a NaN); "
+        "non-finite gradients become 0",
         functions=("F.layer_norm", "torch.layer_norm", "torch.native_layer_norm"),
         sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2)), (2,), None, None, 1e-12),
                       operands(tensor(1.0, 3.0, shape=(1, 2)), (2,)), dtypes=(torch.float16,)),
@@ -441,7 +450,8 @@ RULES: tuple[Rule, ...] = (
         "normalize", g.composite_call,
         reason="x / max(||x||, eps): the default eps 1e-12 is 0 in float16, so a zero vector gives 0/0; "
         "in every dtype its second derivative is NaN",
-        action="a NaN result becomes 0; non-finite gradients become 0",
+        action="a NaN result becomes 0 unless an operand holds a NaN; "
+        "non-finite gradients become 0",
         functions=("F.normalize",),
         # float32 too: a zero vector's second derivative is NaN (the census's probe)
         sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2))), operands(tensor(3.0, 4.0, shape=(1, 2))),
@@ -450,7 +460,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "weight_norm", g.finite_call,
         reason="v * g / ||v|| is 0/0 for a zero weight",
-        action="a NaN result becomes 0; non-finite gradients become 0",
+        action="a NaN result becomes 0 unless an operand holds a NaN; "
+        "non-finite gradients become 0",
         functions=("torch._weight_norm",), methods=(),
         sample=Sample(operands(tensor(0.0, 0.0, 0.0, 0.0, shape=(2, 2)), tensor(1.0, 1.0, shape=(2, 1)), 0),
                       operands(tensor(1.0, 2.0, 3.0, 4.0, shape=(2, 2)), tensor(1.0, 2.0, shape=(2, 1)), 0)),
@@ -539,7 +550,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "gumbel_softmax", g.finite_call,
         reason="a temperature of 0 divides by 0; log of a zero exponential sample is -inf",
-        action="a NaN result becomes 0; non-finite gradients become 0",
+        action="a NaN result becomes 0 unless an operand holds a NaN; "
+        "non-finite gradients become 0",
         functions=("F.gumbel_softmax",),
         sample=Sample(operands(tensor(1.0, 2.0, 0.5, shape=(1, 3)), tau=0.0),
                       operands(tensor(1.0, 2.0, 0.5, shape=(1, 3)), tau=0.5)),
@@ -548,7 +560,8 @@ RULES: tuple[Rule, ...] = (
         "remainder", g.finite_call,
         reason="remainder/fmod by 0 is NaN, floor_divide by 0 +-inf; the gradient in the divisor "
         "(-floor(x / y)) overflows for a tiny divisor",
-        action="NaN (a zero divisor) becomes 0, +-inf +-sat; non-finite gradients become 0",
+        action="NaN (a zero divisor) becomes 0 unless an operand holds a NaN, +-inf +-sat; "
+        "non-finite gradients become 0",
         functions=("torch.remainder", "torch.fmod", "torch.floor_divide"),
         operators=("operator.mod", "operator.floordiv"),
         inplace_operators=(("operator.imod", "operator.mod"), ("operator.ifloordiv", "operator.floordiv")),
@@ -570,7 +583,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "addcdiv", g.finite_call,
         reason="x + v * t1 / t2 divides by t2: 0/0 is NaN, t1/0 inf",
-        action="a NaN result becomes 0, +-inf +-sat; non-finite gradients become 0",
+        action="a NaN result becomes 0 unless an operand holds a NaN, +-inf +-sat; non-finite "
+        "gradients become 0",
         sample=Sample(operands(tensor(1.0, 1.0), tensor(0.0, 1.0), tensor(0.0, 0.0)),
                       operands(tensor(1.0, 2.0), tensor(3.0, -4.0), tensor(2.0, 4.0))),
     ),
@@ -589,7 +603,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "igamma", g.finite_call,
         reason="the regularised incomplete gamma functions are 0/0 at a = 0, x = 0",
-        action="a NaN result becomes 0; non-finite gradients become 0",
+        action="a NaN result becomes 0 unless an operand holds a NaN; "
+        "non-finite gradients become 0",
         functions=("torch.igamma", "torch.igammac", "torch.special.gammainc", "torch.special.gammaincc"),
         methods=("igamma", "igammac"),
         sample=Sample(operands(tensor(0.0, 1.0, grad=False), tensor(0.0, 2.0)),
@@ -599,7 +614,8 @@ RULES: tuple[Rule, ...] = (
         "ndtri", g.finite_call,
         poles=(0.0, 1.0),
         reason="the inverse normal CDF is -inf at 0 and +inf at 1, NaN outside [0, 1]",
-        action="the result saturated at +-sat (NaN to 0); non-finite gradients become 0",
+        action="the result saturated at +-sat (NaN to 0 unless an operand holds a NaN); "
+        "non-finite gradients become 0",
         functions=("torch.special.ndtri",),
         sample=Sample(operands(tensor(0.0, 1.0, 0.5)), operands(tensor(0.25, 0.5, 0.75)),
                       dtypes=(torch.float32, torch.float64)),
@@ -661,8 +677,9 @@ RULES: tuple[Rule, ...] = (
         "cosine_embedding_loss", g.mean_reduced(g.composite_call),
         reason="float16: the cosine of a zero vector is 0/0 (its eps is 0 there); in every dtype its "
         "default reduction, a mean, over an empty selection is 0 / 0 = NaN",
-        action="float16: a NaN result becomes 0, non-finite gradients become 0; in every dtype a mean "
-        "over no element is the loss with reduction='none', summed (0, zero gradients)",
+        action="float16: a NaN result becomes 0 unless an operand holds a NaN, non-finite "
+        "gradients become 0; in every dtype a mean over no element is the loss with "
+        "reduction='none', summed (0, zero gradients)",
         safe_if=nonempty_operands((torch.float16,), autocast_float32=True),
         functions=("F.cosine_embedding_loss",),
         sample=Sample(operands(tensor(0.0, 0.0, shape=(1, 2)), tensor(0.0, 0.0, shape=(1, 2)),
@@ -703,7 +720,8 @@ RULES: tuple[Rule, ...] = (
         "cov", g.finite_call,
         reason="corrcoef divides by the standard deviations (0 for a constant variable); cov "
         "divides by its degrees of freedom, which weights can make 0",
-        action="a NaN result becomes 0; non-finite gradients become 0",
+        action="a NaN result becomes 0 unless an operand holds a NaN; "
+        "non-finite gradients become 0",
         functions=("torch.cov", "torch.corrcoef"), methods=("cov", "corrcoef"),
         sample=Sample(operands(tensor(1.0, 1.0, 2.0, 3.0, shape=(2, 2)), correction=2),
                       operands(tensor(1.0, 2.0, 2.0, 5.0, shape=(2, 2))),
@@ -1007,6 +1025,77 @@ def _call_index() -> dict:
 
 
 CALLS: dict = _call_index()
+
+
+# A Python operator as the instruction that runs it names it: BINARY_OP's argument from 3.11
+# (``dis._nb_ops``: "/", "/="), the opcode's own name on 3.10 (BINARY_TRUE_DIVIDE,
+# INPLACE_TRUE_DIVIDE).
+_SYMBOL = {"truediv": "/", "floordiv": "//", "mod": "%", "pow": "**", "matmul": "@",
+           "add": "+", "sub": "-", "mul": "*"}  # operator.<name> -> its symbol
+_OPNAME = {"TRUE_DIVIDE": "/", "FLOOR_DIVIDE": "//", "MODULO": "%", "POWER": "**",
+           "MATRIX_MULTIPLY": "@", "ADD": "+", "SUBTRACT": "-", "MULTIPLY": "*"}
+_BINARY_OP = dis.opmap.get("BINARY_OP")
+_NB = {i: sym for i, (_, sym) in enumerate(getattr(dis, "_nb_ops", ()))}
+_OPCODE = {code: _OPNAME[name.partition("_")[2]] + ("=" if name.startswith("INPLACE_") else "")
+           for name, code in dis.opmap.items()
+           if name.startswith(("BINARY_", "INPLACE_")) and name.partition("_")[2] in _OPNAME}
+
+
+def _symbol(attr: str) -> str | None:
+    """"__truediv__" -> "/", "__itruediv__" -> "/="."""
+    name = attr.strip("_")
+    if name in _SYMBOL:
+        return _SYMBOL[name]
+    return _SYMBOL[name[1:]] + "=" if name[:1] == "i" and name[1:] in _SYMBOL else None
+
+
+def _operator_hits() -> dict:
+    """(rule name, symbol) -> the entry of the dunder Python calls for it: ``x / y`` ->
+    ``CALLS[Tensor.__truediv__]``, ``z /= y`` -> ``CALLS[Tensor.__itruediv__]``."""
+    out: dict = {}
+    for rule in RULES:
+        if not (rule.guarded or rule.safe):
+            continue
+        for attr, fn, _, swapped in _operator_calls(rule):
+            sym = _symbol(attr)
+            hit = CALLS.get(fn)
+            if not swapped and sym is not None and hit is not None and hit[0] is rule:
+                out.setdefault((rule.name, sym), hit)
+                if not sym.endswith("=") and not hasattr(Tensor, f"__i{attr[2:]}"):
+                    out.setdefault((rule.name, sym + "="), hit)  # z @= y: Python calls __matmul__
+    return out
+
+
+_OPERATOR_HITS: dict = _operator_hits()
+_OPERATOR_RULES = frozenset(name for name, _ in _OPERATOR_HITS)
+
+
+def operator_at(code, lasti: int) -> str | None:
+    """The symbol of the binary operator that instruction ``lasti`` of ``code`` runs ("/",
+    "/="), or None: a call, or anything else."""
+    co = code.co_code
+    if not 0 <= lasti < len(co):
+        return None
+    op = co[lasti]
+    if _BINARY_OP is not None:
+        return _NB.get(co[lasti + 1]) if op == _BINARY_OP else None
+    return _OPCODE.get(op)
+
+
+def as_written(hit: tuple[Rule, Spelling, bool], frame) -> tuple[Rule, Spelling, bool]:
+    """The table's entry for a call as the user's ``frame`` wrote it. A TorchFunctionMode is
+    handed ``Tensor.div`` for ``x / y`` and ``Tensor.div_`` for ``z /= y`` (torch's C dunder
+    names its parser's function; ``Tensor.remainder`` for ``x % y``, ``Tensor.matmul`` for
+    ``x @ y``), the same on CPython 3.10 to 3.13, while a stand-in on ``Tensor.__truediv__``
+    and every fx capture see the operator: where the frame's current instruction is the rule's
+    operator, the entry of the dunder Python called for it (``operator.truediv``), so that a
+    report names ``x / y`` alike whichever way the call was intercepted. Any other entry, or a
+    frame that is not running one of the rule's operators, is returned as it is."""
+    rule, sp, swapped = hit
+    if swapped or sp.kind != "method" or rule.name not in _OPERATOR_RULES or frame is None:
+        return hit
+    sym = operator_at(frame.f_code, frame.f_lasti)
+    return hit if sym is None else _OPERATOR_HITS.get((rule.name, sym), hit)
 
 
 _BY_TARGET, _BY_MODULE = _index()

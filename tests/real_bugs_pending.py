@@ -22,6 +22,7 @@ from tests.test_real_bugs import (
     Fn,
     H,
     _f,
+    _giou_loss,
     _lin,
     _one,
     _selective_scan,
@@ -60,6 +61,12 @@ PENDING: list[tuple[str, str, str, str, str]] = [
      "[2] and [3]: the value and k gradients are NaN: the user's +inf upper bound makes (value "
      "- upper) ** 2 = inf in the branch torch.where masks; its backward 2 (value - inf) times "
      "the where's 0 is -inf * 0 (issue 19 item 2, 'an infinity the user makes on purpose')"),
+    ("giou_fp16_area_overflow", "https://github.com/facebookresearch/fvcore/pull/114",
+     "detection fp16: GIoU areas", "float16 boxes 300 wide: the area overflows 65504",
+     "[2] and [3]: output and gradients NaN: the float16 areas (x2 - x1) * (y2 - y1) = 90000 "
+     "overflow 65504 in elementwise mul (left by the overflow policy, as mamba_fp16_selective_scan), "
+     "and the union inf + inf - inf is NaN before the guarded division; a NaN operand stays NaN "
+     "through a guard (issue 44 item 2), where the division's guard used to read it as 0"),
 ]
 
 
@@ -137,6 +144,11 @@ PENDING_CASES: dict[str, Case] = {
         lambda: Fn(_flat_bottom, params={"k": torch.ones(())}),
         lambda: (leaf(torch.tensor([0.5, 3.0])), torch.tensor([2.0, 2.0]), torch.tensor([INF, 4.0])),
         lambda: (leaf(torch.tensor([0.5, 3.0])), torch.tensor([2.0, 2.0]), torch.tensor([5.0, 4.0]))),
+    "giou_fp16_area_overflow": Case(
+        lambda: Fn(_giou_loss, params=_one(H)),
+        lambda: (leaf(torch.tensor([[0.0, 0.0, 300.0, 300.0]], dtype=H)), torch.tensor([[10.0, 10.0, 320.0, 310.0]], dtype=H)),
+        lambda: (leaf(torch.tensor([[0.0, 0.0, 30.0, 30.0]], dtype=H)), torch.tensor([[1.0, 1.0, 32.0, 31.0]], dtype=H)),
+        graph_break="aot_autograd cannot trace the boolean-mask assignment (aten.nonzero): the frame runs eagerly"),
 }
 
 

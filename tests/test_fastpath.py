@@ -397,6 +397,29 @@ def test_a_class_with_a_reflected_operator_meets_a_tensor():
     assert nanpass.harden(Divides(), fast=False)(ZERO) == "units"
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_distribution_keeps_every_bit_on_a_safe_input(fast):
+    """Kumaraswamy's log_prob runs ``1 / exponent`` and then ``exponent * y / x`` at one
+    instruction of torch's transforms: the reflected and the plain division are two sites (one
+    key made the second run as ``x.reciprocal() * (exponent * y)``, other bits)."""
+
+    class Kumaraswamy(nn.Module):
+        def forward(self, a, b, v):
+            return torch.distributions.Kumaraswamy(a, b).log_prob(v).sum()
+
+    torch.manual_seed(0)
+    a, b = (torch.rand(64) + 0.5).requires_grad_(), (torch.rand(64) + 0.5).requires_grad_()
+    v = torch.rand(64) * 0.8 + 0.1
+    want = Kumaraswamy()(a, b, v)
+    want_grads = torch.autograd.grad(want, (a, b))
+    safe = nanpass.harden(Kumaraswamy(), fast=fast)
+    for _ in range(2):
+        got = safe(a, b, v)
+        grads = torch.autograd.grad(got, (a, b))
+        assert torch.equal(got, want)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads, strict=True))
+
+
 def test_tensors_attribute_cache_tag_never_moves_after_import():
     """From CPython 3.13 a class whose attributes change ~1,000 times is never cached again:
     hardened calls write nothing to Tensor."""

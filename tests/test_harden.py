@@ -355,6 +355,8 @@ def test_compiled_modules_and_compiling_hardened_ones():
         nanpass.harden(torch.compile(nn.Linear(2, 2)))
     # an fx-captured hardened model can itself be compiled: dynamo traces through the guards
     m = nn.Sequential(nn.Linear(4, 4), nn.LogSoftmax(-1))
+    with torch.no_grad():  # -inf inputs times positive weights: rows of -inf, the guard's to
+        m[0].weight.abs_().add_(0.1)  # move (a NaN from upstream would stay NaN, issue 44 item 2)
     x = torch.full((2, 4), -inf, requires_grad=True)
     torch._dynamo.utils.counters.clear()
     with warnings.catch_warnings(record=True) as caught:

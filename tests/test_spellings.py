@@ -222,3 +222,55 @@ def test_reflected_operators_keep_the_originals_bits(rule, attr, other):
     model = _Reflected(attr)
     want, got = model(x, y), nanpass.harden(model)(x, y)
     assert torch.equal(got, want), (got - want).abs().max()
+
+
+class _Heard(torch.overrides.TorchFunctionMode):
+    """Each call of the table a TorchFunctionMode is handed, named as ``as_written`` reads it
+    off the frame of ``code``: whatever callable the running Python and torch deliver."""
+
+    def __init__(self, code):
+        super().__init__()
+        self.code, self.names = code, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import sys
+
+        from nanpass._intercept import _hit  # a stand-in torch looked up by name: its entry
+        from nanpass._rules import as_written
+
+        hit = _hit(func)
+        if hit is not None:
+            f = sys._getframe(1)
+            while f is not None and f.f_code is not self.code:
+                f = f.f_back
+            self.names.append(as_written(hit, f)[1].name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("source", "names"), [
+    ("x / y", ["operator.truediv"]),  # handed Tensor.div (3.10 to 3.13)
+    ("2 / x", ["operator.truediv"]),  # handed Tensor.__rtruediv__, operands swapped
+    ("z /= y", ["operator.itruediv"]),  # handed Tensor.div_
+    ("x % y", ["operator.mod"]),
+    ("z %= y", ["operator.imod"]),
+    ("x // y", ["operator.floordiv"]),
+    ("z //= y", ["operator.ifloordiv"]),
+    ("x ** y", ["operator.pow"]),
+    ("z **= y", ["operator.ipow"]),
+    ("a @ a", ["operator.matmul"]),
+    ("c @= a", ["operator.matmul"]),  # Tensor has no __imatmul__: Python calls __matmul__
+    ("x.div(y) / 2", ["Tensor.div", "operator.truediv"]),
+    ("torch.div(x, y) % x.remainder(y)", ["torch.div", "Tensor.remainder", "operator.mod"]),
+    ("z.div_(y); a.matmul(a)", ["Tensor.div_", "Tensor.matmul"]),
+])
+def test_an_operator_is_named_as_written_whatever_the_mode_is_handed(source, names):
+    """A TorchFunctionMode is handed ``Tensor.div`` for ``x / y`` (torch's C dunder names its
+    parser's function), a stand-in on ``Tensor.__truediv__`` and fx the operator: the report
+    names the call as written either way, read off the instruction the user's frame runs."""
+    ns: dict = {}
+    exec(f"def f(x, y, z, a, c):\n    {source}\n", {"torch": torch}, ns)
+    x, y, a = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 8.0]), torch.eye(2)
+    heard = _Heard(ns["f"].__code__)
+    with heard:
+        ns["f"](x, y, x.clone(), a, a.clone())
+    assert heard.names == names

@@ -239,7 +239,7 @@ def test_a_pole_is_quiet_and_an_overflow_through_the_same_op_is_not():
             return torch.softmax(x / d, -1)  # x / 0 = inf on purpose... then softmax of +inf
 
     x = torch.tensor([[1.0, 2.0]])
-    with pytest.raises(nanpass.NonFiniteError, match="^nanpass: Inf created by (torch|Tensor).div "):
+    with pytest.raises(nanpass.NonFiniteError, match="^nanpass: Inf created by operator.truediv "):
         nanpass.harden(Div(), mode="check", ops=[])(x * 1e38, torch.tensor([[1e-3, 1.0]]))
     with pytest.raises(nanpass.NonFiniteError, match=r"(?s)^nanpass: NaN created by torch.softmax.*pole of div"):
         nanpass.harden(Div(), mode="check", ops=[])(x, torch.tensor([[0.0, 1.0]]))
@@ -327,7 +327,7 @@ def test_nanpass_run_names_the_line_and_count_prints_the_guards(tmp_path, capsys
     err = capsys.readouterr().err
     # step 0 divides by 0 (a pole, quiet) and the mean carries -inf into the loss
     assert re.search(r"^nanpass: an infinity reaches the loss", err, re.M)
-    assert re.search(r"made at a pole of div by Tensor.div .*train.py:6", err)
+    assert re.search(r"made at a pole of div by operator.truediv .*train.py:6", err)
     assert cli(["run", "--mode", "count", str(script)]) == 0
     out, err = capsys.readouterr()
     assert "finished True" in out and "train.py:6" in err and "1 of 1 guards changed values" in err
