@@ -663,6 +663,32 @@ def stand_ins_for_tools(pairs) -> None:
             failed.append(f"{new.__qualname__} ({type(err).__name__}: {err})")
     if failed:
         MISSING["dynamo_import"] = "substitute_in_graph failed for " + "; ".join(failed)
+    key_tables_by_stand_ins(pairs)
+
+
+@entry("expanded_weights", "torch.nn.utils._expanded_weights.expanded_weights_impl.HANDLED_FUNCTIONS "
+       "(ExpandedWeight's table of the functions it computes per-sample gradients for, keyed by "
+       "the function objects; Opacus's grad_sample_mode='ew')", at_import=False)
+def _expanded_weights_table():
+    from torch.nn.utils._expanded_weights import expanded_weights_impl
+
+    return expanded_weights_impl.HANDLED_FUNCTIONS
+
+
+def key_tables_by_stand_ins(pairs) -> None:
+    """torch's own tables keyed by its functions, built before the stand-ins (dynamo imports
+    ExpandedWeights): each stand-in keys what its original keys, since torch now hands
+    ``__torch_function__`` the stand-in where it looks a function up by name (``F.group_norm``'s
+    own dispatch)."""
+    try:
+        table = _expanded_weights_table()
+    except (ImportError, AttributeError) as err:
+        MISSING["expanded_weights"] = f"{type(err).__name__}: {err}"
+        return
+    for new, orig in pairs:
+        got = table.get(orig)
+        if got is not None and any(k is orig for k in table):
+            table[new] = got
 
 
 def _itself(fn):

@@ -60,6 +60,27 @@ def _float_operand(args, kwargs) -> bool:
     return False
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+_DEFAULT_TF = Tensor.__torch_function__.__func__
+_DISABLED_TF = getattr(torch.nn.Parameter.__torch_function__, "__func__", torch.nn.Parameter.__torch_function__)
+
+
+def _own_dispatch(args, kwargs) -> str | None:
+    """Why a call is left to a tensor subclass that handles torch's calls itself (Opacus's
+    ExpandedWeight computes per-sample gradients for a table of functions and refuses every
+    other call, a guard's included), or None. A subclass that keeps torch's handling is
+    guarded as a tensor."""
+    for a in (*args, *kwargs.values()):
+        t = type(a)
+        if t in _PLAIN or not isinstance(a, Tensor):
+            continue
+        tf = getattr(t.__torch_function__, "__func__", t.__torch_function__)
+        if tf is not _DEFAULT_TF and tf is not _DISABLED_TF:
+            return (f"a {t.__name__} operand handles torch's calls itself (its __torch_function__): "
+                    f"the call is its")
+    return None
+
+
 def _left_as_written(rule: Rule, args, kwargs) -> bool:
     """A call its rule's ``safe_if`` proves safe, or one with no float operand."""
     return (rule.safe_if is not None and rule.safe_if(args, kwargs) is not None) or not _float_operand(args, kwargs)
@@ -242,7 +263,8 @@ class Sites:
         run, decision = entry
         why = None
         if run is not sp.call:
-            if rule.safe_if is not None:
+            why = _own_dispatch(args, kwargs)
+            if why is None and rule.safe_if is not None:
                 why = rule.safe_if(args, kwargs)
             if why is None and not _float_operand(args, kwargs):
                 why = "integer/bool/complex operands keep their exact semantics"

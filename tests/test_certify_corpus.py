@@ -33,7 +33,10 @@ CORPUS49 = (
     "sac_log_one_minus_action_sq", "advantage_norm_singleton", "log_semiring_logsumexp_neg_inf",
     "log_semiring_logaddexp_neg_inf",
 )
-CERTIFY49_FLOOR = 45  # measured: see docs/certify.md
+# measured: see docs/certify.md. 45 before issue 44 item 2: hf_label_smoother_fp16_sum is no longer
+# proven since its guards keep a NaN that arrives as an operand (the interval analysis does not
+# yet see that the NaN-keeping branch is dead on NaN-free inputs); to win back
+CERTIFY49_FLOOR = 44
 
 
 def proven_hardened(bug_id: str) -> bool:
