@@ -43,6 +43,10 @@ hardened call is running.
 - ``removed_ops``: torch keeps a raising stub for each op it removed (``torch.qr``,
   ``torch.cholesky`` since 2.14): a spelling bound to one is no spelling.
 - ``function_mode_stack``: the active TorchFunctionModes, innermost last.
+- ``jit_builtins`` / ``dynamo_import`` / ``expanded_weights``: what the stand-ins of
+  ``_fastpath`` (installed once at import) need to look like torch's own functions to
+  TorchScript, to dynamo (its tables built first, a polyfill per stand-in) and to
+  ExpandedWeight's table of the functions it handles.
 - ``queue_callback``: check mode reads its backward verdicts once, when the backward ends.
 - ``dispatch_mode`` / ``pytree`` / ``op_schema``: what certify's interval analysis reads of each
   aten call (the mode class, flattening of nested outputs, the schema's write annotations).

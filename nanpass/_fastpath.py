@@ -70,9 +70,8 @@ def _homes() -> list[tuple[object, str, object]]:
 
 
 # id of the table's callable -> its stand-in, which holds it (by id: ``torch.dsmm == torch.mm``,
-# different objects that compare and hash equal); the stand-in -> the table's entry
+# different objects that compare and hash equal)
 _STAND_INS: dict = {}
-STAND_IN_HITS: dict = {}
 ORIGINALS: dict = {}  # the stand-in -> torch's own callable
 _ADMIT: list[Callable] = []  # the dtype filter of rules with only_dtypes (set by _intercept)
 _NUMBER = (Tensor, int, float, bool, complex)
@@ -111,7 +110,6 @@ def _stand_in(orig, ns, name):
     if not _STAND_INS:  # (one code object for all) dynamo never compiles it as a frame of its
         _compat.eager_handler(call)  # own between graphs: it traces the original in its place
     _STAND_INS[id(orig)] = call
-    STAND_IN_HITS[call] = hit
     ORIGINALS[call] = orig
     return call
 

@@ -448,9 +448,9 @@ def _hit(func) -> tuple[Rule, Spelling, bool] | None:
         hit = CALLS.get(func)
     except TypeError:  # an unhashable callable
         return None
-    # a mode is handed the stand-in where torch looks the callable up by name (``x.log()``,
-    # ``F.softmax``'s own dispatch)
-    return hit if hit is not None else _fastpath.STAND_IN_HITS.get(func)
+    # (a stand-in, handed to a mode where torch looks the callable up by name, ``x.log()``, is
+    # in CALLS as its original: _fastpath.install)
+    return hit
 
 
 # Under dynamo the lookup runs as Python, not traced: a traced lookup in CALLS guards the
