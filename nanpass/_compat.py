@@ -312,6 +312,8 @@ def _patch_fast_path_check() -> None:
 
     has_torch_function.__doc__ = original.__doc__
     ov.has_torch_function = has_torch_function
+    # dynamo traces it as torch's own (a polyfill, registered once dynamo is imported)
+    _TRACED_AS_ORIGINAL.append((has_torch_function, original))
     ov._nanpass_patched = True
     _after_import("torch._dynamo.variables.torch", _teach_dynamo)
 
@@ -665,6 +667,11 @@ def stand_ins_for_tools(pairs) -> None:
             torch.compiler.substitute_in_graph(new, skip_signature_check=True)(_polyfill(orig))
         except Exception as err:  # noqa: BLE001 - recorded, named below
             failed.append(f"{new.__qualname__} ({type(err).__name__}: {err})")
+    for new, orig in _TRACED_AS_ORIGINAL:
+        try:
+            torch.compiler.substitute_in_graph(new, skip_signature_check=True)(_polyfill(orig))
+        except Exception as err:  # noqa: BLE001 - recorded, named below
+            failed.append(f"{new.__module__}.{new.__qualname__} ({type(err).__name__}: {err})")
     if failed:
         MISSING["dynamo_import"] = "substitute_in_graph failed for " + "; ".join(failed)
     key_tables_by_stand_ins(pairs)
@@ -697,6 +704,10 @@ def key_tables_by_stand_ins(pairs) -> None:
 
 def _itself(fn):
     return fn
+
+
+# functions of nanpass's that replace torch's for good, traced by dynamo as the original
+_TRACED_AS_ORIGINAL: list = []
 
 
 def _polyfill(orig):
