@@ -43,6 +43,9 @@ hardened call is running.
 - ``removed_ops``: torch keeps a raising stub for each op it removed (``torch.qr``,
   ``torch.cholesky`` since 2.14): a spelling bound to one is no spelling.
 - ``function_mode_stack``: the active TorchFunctionModes, innermost last.
+- ``tracing_context`` / ``higher_order_op``: a hardened call traced by dynamo notes its frame,
+  so that the bodies of the frame graph's higher-order ops (traced with the mode popped) get
+  the backend's rewrite before a compiler sees them (``_bodies``).
 - ``jit_builtins`` / ``dynamo_import`` / ``expanded_weights``: what the stand-ins of
   ``_fastpath`` (installed once at import) need to look like torch's own functions to
   TorchScript, to dynamo (its tables built first, a polyfill per stand-in) and to
@@ -69,6 +72,7 @@ import logging
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,15 +151,18 @@ def _warn_untested() -> None:
 
 # what the layer above registers (``on_guarded_call``): this module imports nothing of nanpass
 # but its errors
-_HOOKS: dict = {"bind": None, "guarding": None}
+_HOOKS: dict = {"bind": None, "guarding": None, "bodies": None}
 # C functions a TorchFunctionMode sees in eager that dynamo would not offer to a traced mode
 _OFFERED: set = set()
 
 
-def on_guarded_call(bind, guarding) -> None:
+def on_guarded_call(bind, guarding, bodies) -> None:
     """``bind(fn)``: ``fn`` made to re-enter the running hardened call's guards (or ``fn``
-    itself outside one); ``guarding()``: whether nanpass's own mode is the innermost one."""
-    _HOOKS["bind"], _HOOKS["guarding"] = bind, guarding
+    itself outside one); ``guarding()``: whether nanpass's own mode is the innermost one;
+    ``bodies(gm, notes, modes)``: a graph dynamo traced, before it is compiled, with the notes
+    its frame's hardened calls made (``traced_with``) and the nanpass modes it was entered
+    under."""
+    _HOOKS["bind"], _HOOKS["guarding"], _HOOKS["bodies"] = bind, guarding, bodies
 
 
 def offer_to_traced_modes(fns) -> None:
@@ -238,13 +245,58 @@ def _patch_graph_calls(module) -> None:
 
     @functools.wraps(compile_graph)
     def call_user_compiler(self, gm, example_inputs):
-        fn = compile_graph(self, gm, example_inputs)
         stack = getattr(self, "torch_function_mode_stack", None) or ()
+        bodies = _HOOKS["bodies"]
+        if bodies is not None:  # before any compiler sees the graph
+            context = _tracing_context()()
+            noted = _NOTED.pop(context, ()) if context is not None else ()
+            bodies(gm, noted, [m for m in stack if type(m) in _TRACED_MODES])
+        fn = compile_graph(self, gm, example_inputs)
         if self.export or not any(type(m) in _TRACED_MODES for m in stack):
             return fn
         return _outside_traced_modes(fn)
 
     cls.call_user_compiler = call_user_compiler
+
+
+@entry("tracing_context", "torch._guards.TracingContext.try_get (the frame dynamo is tracing, "
+       "so that what a traced hardened call notes reaches that frame's graph only)", at_import=False)
+def _tracing_context():
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get
+
+
+@entry("higher_order_op", "torch._ops.HigherOrderOperator (the class of torch.cond, while_loop, "
+       "checkpoint's tag_activation_checkpoint, invoke_subgraph, flex_attention in a graph)")
+def higher_order_op() -> type:
+    return torch._ops.HigherOrderOperator
+
+
+# the frame dynamo is tracing -> what the hardened calls traced in it noted (see traced_with)
+_NOTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def traced_with(note: int):
+    """A function of no arguments that dynamo calls, not traces, where a hardened call enters
+    its mode in a traced frame: the frame's graph then reaches the ``bodies`` hook with
+    ``note``. The bodies of its higher-order ops (checkpoint, cond, while_loop, ...) were traced
+    with the mode popped, as a TorchFunctionMode's handler runs the op it is handed."""
+
+    def traced() -> None:
+        if "tracing_context" in MISSING:
+            return
+        try:
+            context = _tracing_context()()
+        except (ImportError, AttributeError) as err:
+            MISSING["tracing_context"] = f"{type(err).__name__}: {err}"
+            return
+        if context is not None:
+            _NOTED.setdefault(context, []).append(note)
+
+    traced.note = note
+    setattr(traced, _CONSTANT_MARK, True)
+    return traced
 
 
 def _bind_active(fn):

@@ -352,6 +352,7 @@ def _signed(hardened: Hardened, model: torch.nn.Module):
             # traced by dynamo: one frame between it and the model, as run_guarded traces. A
             # graph break in the model splits every frame on the way, each then a cache lookup
             # per call (GPT-2 with its loss: 4 frames and 2 resumes before; a small saving)
+            sites.traced()
             with GuardMode(sites):
                 return model(*args, **kwargs)
         return Hardened.forward(hardened, *args, **kwargs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
 import linecache
 import os
 import sys
@@ -29,6 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _compat, _fastpath, _guards
+from ._bodies import guard_bodies
 from ._check import Site
 from ._compat import ATEN_OPS
 from ._config import Config
@@ -96,6 +98,10 @@ def _in_dtypes(rule: Rule, args) -> bool:
     return computes_in(args, rule.only_dtypes, rule.autocast_float32)
 
 
+_SERIALS = itertools.count()
+_SITES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # serial -> Sites
+
+
 class Sites:
     """The call sites of one hardened model: what each does, and the Change it recorded."""
 
@@ -126,6 +132,11 @@ class Sites:
         self.checker = Watch(self, config.mode == "warn", deferred=model is not None and not config.stop_at_op) \
             if config.mode in ("check", "warn") else None
         self.customs: bool | None = None  # whether its graphs hold custom Function nodes
+        # the changes made to the higher-order-op bodies of its compiled graphs (_bodies)
+        self.compiled_bodies: list[Change] = []
+        # called, not traced, where dynamo traces one of its calls (_compat.traced_with)
+        self.traced = _compat.traced_with(next(_SERIALS))
+        _SITES[self.traced.note] = self
         # guard mode's fast path (_fastpath): the stand-ins send the table's calls here; the
         # model's code is scanned on the first call and when a module class is swapped in;
         # `fast` says why the mode runs instead, where it does
@@ -619,6 +630,7 @@ def run_guarded(sites: Sites, fn: Callable, args: tuple, kwargs: dict, noted: li
     (``noted``: check mode under torch.compile, see ``_noted``)."""
     if noted is not None or torch.compiler.is_compiling():
         # traced by dynamo: the mode is inlined into the graph; no ContextVar, no counters
+        sites.traced()
         with GuardMode(sites, noted):
             return fn(*args, **kwargs)
     mode = ACTIVE.get()
@@ -750,5 +762,20 @@ def _guarding() -> bool:
     return bool(stack) and isinstance(stack[-1], (GuardMode, Survey))
 
 
-_compat.on_guarded_call(_bind, _guarding)
+def _traced_bodies(gm, notes, modes) -> None:
+    """A graph dynamo traced: the bodies of its higher-order ops get the guards of the hardened
+    calls traced in its frame (``notes``) or entered around it (``modes``)."""
+    found = [_SITES.get(n) for n in notes] + [m.sites for m in modes if isinstance(m, GuardMode)]
+    found = [s for s in found if s is not None and s.config.mode == "guard"]
+    if not found:
+        return
+    # several hardened models in one frame: the outermost's config (a region is guarded as the
+    # model that holds it is, unless that model excludes it)
+    changes = guard_bodies(gm, found[0].config)
+    if changes:
+        with found[0]._lock:
+            found[0].compiled_bodies.extend(changes)
+
+
+_compat.on_guarded_call(_bind, _guarding, _traced_bodies)
 _compat.offer_to_traced_modes(fn for fn in CALLS if isinstance(fn, types.BuiltinFunctionType))

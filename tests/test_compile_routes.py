@@ -66,3 +66,122 @@ def test_importing_nanpass_leaves_torchs_own_modules_compiling_to_the_same_graph
     headers = [line for line in without.splitlines() if line.startswith("==")]
     assert len(headers) == 12 and all(": 1 graph(s)" in h for h in headers), headers
     assert with_ == without
+
+
+# -- higher-order-op bodies: torch.compile(nanpass.harden(model)) and the backend ---------------
+
+
+class _Checkpointed(nn.Module):
+    """A block under activation checkpointing whose softmax meets a fully masked row."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+
+    def block(self, h, mask):
+        return torch.softmax(h.masked_fill(mask, float("-inf")), -1)
+
+    def forward(self, h, mask):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, h, mask, use_reentrant=self.reentrant)
+
+
+class _Cond(nn.Module):
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda x: torch.log(x), lambda x: torch.log(-x), (x,))
+
+
+class _WhileLoop(nn.Module):
+    def forward(self, v):
+        from torch._higher_order_ops import while_loop
+
+        def cond(i, v):
+            return i < 2
+
+        def body(i, v):
+            return i + 1, v / (v - v)  # 0 / 0
+
+        return while_loop(cond, body, (torch.tensor(0), v))[1]
+
+
+class _Region(nn.Module):
+    def forward(self, x):
+        @torch.compiler.nested_compile_region
+        def region(x):
+            return torch.log(x)
+
+        return region(x) + region(x + 1)
+
+
+class _Flex(nn.Module):
+    def forward(self, q):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            d = (q_idx - kv_idx).float()
+            return score + d / d  # 0 / 0 on the diagonal
+
+        return flex_attention(q, q, q, score_mod=score_mod)
+
+
+def _mask():
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    mask[0] = True
+    return mask
+
+
+# (model, its inputs where the original makes NaN or an infinity, safe inputs; whether the
+# inputs require grad)
+_REGIONS = {
+    "checkpoint": (lambda: _Checkpointed(False), lambda: (torch.randn(2, 3), _mask()),
+                   lambda: (torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.bool)), True),
+    "checkpoint_reentrant": (lambda: _Checkpointed(True), lambda: (torch.randn(2, 3), _mask()),
+                             lambda: (torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.bool)), True),
+    "cond": (_Cond, lambda: (torch.zeros(3),), lambda: (torch.rand(3) + 0.5,), False),
+    "while_loop": (_WhileLoop, lambda: (torch.ones(3),), None, False),
+    "nested_compile_region": (_Region, lambda: (torch.zeros(3),), lambda: (torch.rand(3) + 0.5,), False),
+    "flex_attention_score_mod": (_Flex, lambda: (torch.randn(1, 1, 8, 4),), None, False),
+}
+
+
+def _compiled(route: str, model: nn.Module):
+    torch._dynamo.reset()
+    if route == "harden":
+        return torch.compile(nanpass.harden(model), backend="aot_eager")
+    return torch.compile(model, backend=nanpass.backend(inner="aot_eager"))
+
+
+@pytest.mark.parametrize("route", ["harden", "backend"])
+@pytest.mark.parametrize("case", sorted(_REGIONS))
+def test_a_higher_order_ops_body_is_guarded_under_both_compiled_routes(case, route):
+    make, bad, safe, grad = _REGIONS[case]
+    torch.manual_seed(0)
+    args = bad()
+    leaves = [a.requires_grad_() for a in args[:1]] if grad else []
+    torch._dynamo.reset()
+    plain = torch.compile(make(), backend="aot_eager")(*args)
+    assert not all_finite([plain])  # the trigger breaks the original, compiled plainly
+    out = _compiled(route, make())(*args)
+    assert all_finite([out])
+    if grad:
+        leaves[0].grad = None
+        out.sum().backward()
+        assert all_finite([leaves[0].grad])
+    if safe is not None:  # where the original is finite, the same bits
+        args = safe()
+        torch._dynamo.reset()
+        want = torch.compile(make(), backend="aot_eager")(*args)
+        got = _compiled(route, make())(*args)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kw", [{}, {"fast": False}], ids=["stand_ins", "mode"])
+def test_eager_harden_runs_a_model_using_torch_cond_as_plain_eager_does(kw):
+    x = torch.rand(3) + 0.5
+    model = _Cond()
+    hardened = nanpass.harden(model, **kw)
+    assert torch.equal(hardened(x), model(x))
+    assert all_finite([hardened(torch.zeros(3))])
+    with pytest.raises(nanpass.NonFiniteError, match="^nanpass:"):
+        nanpass.harden(model, mode="check")(torch.zeros(3))
