@@ -316,10 +316,12 @@ class Hardened(torch.nn.Module):
         """One record of every call site seen so far (empty before the first call)."""
         sites = self._nanpass_sites
         asserts = self._nanpass_inputs.asserts() if self._nanpass_inputs is not None else ()
+        bodies = [GraphRecord("dynamo", "", "", list(sites.compiled_bodies), 0.0)] \
+            if sites.compiled_bodies else []
         if not sites.calls and not asserts:
-            return []
+            return bodies
         return [GraphRecord("intercept", "", "", list(sites.changes), 0.0, asserts=asserts,
-                            counters=tuple(sites.counters))]
+                            counters=tuple(sites.counters)), *bodies]
 
     @property
     def changes(self) -> list[Change]:

@@ -185,3 +185,13 @@ def test_eager_harden_runs_a_model_using_torch_cond_as_plain_eager_does(kw):
     assert all_finite([hardened(torch.zeros(3))])
     with pytest.raises(nanpass.NonFiniteError, match="^nanpass:"):
         nanpass.harden(model, mode="check")(torch.zeros(3))
+
+
+def test_the_report_of_a_compiled_hardened_model_lists_the_guards_it_put_in_a_body():
+    hardened = nanpass.harden(_Checkpointed(False))
+    torch._dynamo.reset()
+    h = torch.randn(2, 3, requires_grad=True)
+    torch.compile(hardened, backend="aot_eager")(h, _mask()).sum().backward()
+    guarded = [c for c in nanpass.report(hardened).changes if c.action == "guarded"]
+    assert [c.op for c in guarded] == ["softmax"]
+    assert guarded[0].source.endswith(f"test_compile_routes.py:{_Checkpointed.block.__code__.co_firstlineno + 1}")
