@@ -1218,3 +1218,38 @@ def attention(fn, args, kwargs, consts, fence):
     whole) reaches the function under the same mode."""
     with _GUARDED_CALLS[0](_ATTENTION_CALLS):
         return (_MHA_BODY if fn is _MHA else fn)(*args, **kwargs)
+
+
+def _bound(fn, args, kwargs, names: tuple[str, ...]) -> dict:
+    """``names`` of a call, wherever it passed them (torch's keyword-only arguments arrive
+    positionally in an aten call)."""
+    got = dict(zip(names, args))
+    got.update((k, v) for k, v in kwargs.items() if k in names)
+    return got
+
+
+_SEGMENT_ARGS = ("data", "reduce", "lengths", "indices", "offsets", "axis", "unsafe", "initial")
+
+
+def segment_reduce(fn, args, kwargs, consts, fence):
+    """An empty segment (length 0: an item with no category id, alibaba/TorchEasyRec#104) is a
+    mean of nothing (0 / 0) or the identity of max/min (-+inf). It gives 0 there, as torch's
+    other reductions give an empty group (scatter_reduce, index_reduce, embedding_bag), and a
+    zero gradient; a finite empty segment (a sum's 0, a prod's 1, the user's ``initial``) and
+    every non-empty one keep the original's bits, a NaN from the data included."""
+    out = fn(*args, **kwargs)
+    if not isinstance(out, Tensor) or not out.is_floating_point():
+        return out
+    bound = _bound(fn, args, kwargs, _SEGMENT_ARGS)
+    lengths, offsets = bound.get("lengths"), bound.get("offsets")
+    if isinstance(lengths, Tensor):
+        empty = lengths == 0
+    elif isinstance(offsets, Tensor):
+        empty = offsets[..., 1:] == offsets[..., :-1]
+    else:
+        return out
+    axis = bound.get("axis", 0)
+    axis = axis + out.dim() if axis < 0 else axis
+    empty = empty.reshape(empty.shape + (1,) * (out.dim() - axis - 1)).to(out.device)
+    _count(lambda: empty & ~torch.isfinite(out))
+    return torch.where(empty & ~torch.isfinite(out.detach()), torch.zeros((), dtype=out.dtype, device=out.device), out)

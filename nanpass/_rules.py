@@ -282,6 +282,18 @@ RULES: tuple[Rule, ...] = (
         sample=Sample(operands(tensor()), operands(tensor(1.0, 2.0, 4.0))),
     ),
     Rule(
+        "segment_reduce", g.segment_reduce,
+        reason="an empty segment (length 0) is a mean of nothing, 0 / 0 = NaN, or the identity "
+        "of max/min, -+inf (alibaba/TorchEasyRec#104: an item with no category id)",
+        action="an empty segment whose value is not finite gives 0 with a zero gradient, as torch's "
+        "other reductions give an empty group; a sum's 0, a prod's 1, an initial= value and every "
+        "non-empty segment are left as written",
+        functions=("torch.segment_reduce",), methods=(), inplace=False,
+        sample=Sample(operands(tensor(1.0, 2.0, 3.0), "mean", lengths=tensor(3, 0, dtype=torch.int64)),
+                      operands(tensor(1.0, 2.0, 3.0), "mean", lengths=tensor(2, 1, dtype=torch.int64)),
+                      second_order=False),  # torch has no double backward of segment_reduce
+    ),
+    Rule(
         "xlogy", g.xlogy, stable=True,
         poles=(0.0,), pole_operand=1,
         reason="xlogy(x, 0) is -inf for x != 0",

@@ -63,6 +63,9 @@ TABLE: list[tuple[str, str, str, str]] = [
      "loss: div", "Dice 2|A.B|/(|A|+|B|) with empty prediction and empty label: 0/0"),
     ("si_sdr_silent_target", "https://github.com/csteinmetz1/auraloss/issues/25",
      "audio loss: div + log10", "SI-SDR scaling factor <est,t>/<t,t> with a silent target"),
+    ("torcheasyrec_empty_segment_mean", "https://github.com/alibaba/TorchEasyRec/pull/104",
+     "reduction: segment_reduce (mean)", "an item with no category id: segment_reduce(emb, 'mean', "
+     "lengths) over a segment of length 0, 0 / 0"),
     # -- attention -----------------------------------------------------------------------------
     ("mha_key_padding_all_masked", "https://github.com/pytorch/pytorch/issues/41508",
      "attention: nn.MultiheadAttention", "a batch row whose every key is padding"),
@@ -427,6 +430,19 @@ def _depth_loss(m, image, depth):
     pred = m.conv(image).squeeze(1)
     valid = depth > 0
     return F.mse_loss(pred[valid], depth[valid])
+
+
+def _category_mean(m, ids, lengths):
+    """Each item's embedding is the mean of its categories' (alibaba/TorchEasyRec#104): an item
+    with no category id is a segment of length 0, whose mean is 0 / 0; the NaN reaches the MLP
+    and every weight's gradient."""
+    pooled = torch.segment_reduce(m.emb(ids), "mean", lengths=lengths)
+    return m.mlp(torch.relu(pooled))
+
+
+def _seeded(make):
+    torch.manual_seed(0)
+    return make()
 
 
 def _si_sdr(m, est, target, eps=1e-8):
@@ -1411,6 +1427,10 @@ CASES: dict[str, Case] = {
         lambda: Fn(_si_sdr, params={"gain": torch.ones(())}),
         lambda: (leaf(_f(2, 256)), torch.zeros(2, 256)),
         lambda: (leaf(_f(2, 256)), _f(2, 256, seed=1))),
+    "torcheasyrec_empty_segment_mean": Case(
+        lambda: Fn(_category_mean, mods=_seeded(lambda: {"emb": nn.Embedding(6, 4), "mlp": nn.Linear(4, 2)})),
+        lambda: (torch.tensor([0, 1, 2, 5]), torch.tensor([2, 0, 2])),
+        lambda: (torch.tensor([0, 1, 2, 5]), torch.tensor([2, 1, 1]))),
     # attention
     "mha_key_padding_all_masked": Case(
         lambda: _mha_make(4, 2),
