@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import operator
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -24,12 +25,12 @@ from ._check import flagged
 from ._compat import dynamo_cache_entries, inductor_with, inner_compiler
 from ._config import Config, make_config
 from ._errors import ConfigError
-from ._intercept import Sites, _outermost
+from ._intercept import Sites
 from ._rewrite import Change, GraphRecord, rewrite_and_record, untap
 from ._rules import CALLS
 from ._selfcheck import refuse_broken_guards
 from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
-from ._source import module_path, user_frame
+from ._source import SELF_IS_MODULE, module_path, user_frame
 from ._watch import GraphSites, Watch
 from ._watch import inplace as _inplace
 
@@ -223,6 +224,9 @@ def compile_graph(
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
     inner = inner or config.inner
+    frame = _compat.compiling_frame_locals()
+    if frame:  # paths are taken in the frame's self where it is a module (_source.module_path)
+        gm.meta[SELF_IS_MODULE] = isinstance(frame.get("self"), torch.nn.Module)
     checking = config.mode in ("check", "warn")
     sites = [] if checking and inner != "eager" else None
     eager = None
@@ -313,16 +317,39 @@ class EagerSites(Sites):
             return sp.call(*args, **kwargs)
         return super().call(hit, args, kwargs)
 
+    def _path(self, module: torch.nn.Module | None) -> str | None:
+        if module is None:
+            return ""
+        got = self._paths.get(id(module))
+        if got is None or got[0]() is not module:
+            self._paths.update({id(m): (weakref.ref(m), name) for name, m in _root(module).named_modules()})
+            got = self._paths.get(id(module))
+        return got[1] if got is not None and got[0]() is module else None
+
     def _note(self, key, rule, sp, module, frame, *rest, **kwargs) -> Change | None:
         change = super()._note(key, rule, sp, module, frame, *rest, **kwargs)
         if change is not None:
-            root = _outermost(module) if module is not None else None
+            root = _root(module) if module is not None else None
             self.roots.append((change, weakref.ref(root) if root is not None else None))
         return change
 
     def changes_of(self, model: torch.nn.Module | None) -> list[Change]:
         """The changes made in ``model``'s calls (all of them for None)."""
         return [c for c, ref in self.roots if model is None or (ref is not None and ref() is model)]
+
+
+def _root(module: torch.nn.Module) -> torch.nn.Module:
+    """The outermost module whose code is running (the model the program called), past the
+    wrapper ``torch.compile`` puts around a module (its paths would start ``_orig_mod.``)."""
+    root = module
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_argcount and f.f_code.co_varnames[0] == "self":
+            obj = f.f_locals.get("self")
+            if isinstance(obj, torch.nn.Module) and not _compat.compiled_module(obj):
+                root = obj
+        f = f.f_back
+    return root
 
 
 class _EagerCalls:

@@ -1049,6 +1049,12 @@ def module_call_impl():
     return _module_call_impl() if "module_call_impl" not in MISSING else None
 
 
+def compiled_module(obj) -> bool:
+    """Whether ``obj`` is the wrapper ``torch.compile`` returns for a module (OptimizedModule;
+    told without importing dynamo)."""
+    return type(obj).__module__ == "torch._dynamo.eval_frame" and hasattr(obj, "_orig_mod")
+
+
 @entry("tracing_context", "torch._guards.TracingContext.try_get (set while dynamo, AOTAutograd "
        "or inductor trace; fake tensors flow through torch's functions then)")
 def _tracing_context():
