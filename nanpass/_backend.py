@@ -76,9 +76,10 @@ def _dynamo_records(model: torch.nn.Module) -> set[int]:
                             records.append(record)
                             break
                         obj = getattr(obj, "__wrapped__", None)
-            owners = {id(o) for o in map(_owner, records) if o is not None}
+            owners = [_owner(r) for r in records]
+            owners = {id(o) if o is not None else None for o in owners if o is not _UNKNOWN}
             if owners and not owners & mine:
-                continue  # another instance's graphs
+                continue  # another instance's graphs (one freed since included)
             if not owners and owned is None and fn is _compat.module_call_impl():
                 continue  # (every module's _call_impl: only an entry known to be this model's)
             found.update(id(r) for r in records)
@@ -90,10 +91,15 @@ def _dynamo_records(model: torch.nn.Module) -> set[int]:
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
-def _owner(record: GraphRecord) -> torch.nn.Module | None:
+_UNKNOWN = object()
+
+
+def _owner(record: GraphRecord):
+    """The module the record's frame was compiled for; None: freed since; ``_UNKNOWN``: not a
+    module's frame, or not known."""
     got = _OWNERS.get(id(record))
     if got is None or got[0]() is not record:
-        return None
+        return _UNKNOWN
     return got[1]()
 
 
@@ -102,7 +108,7 @@ def _note_owner(record: GraphRecord) -> None:
     owner = _compat.compiling_frame_locals().get("self")
     if isinstance(owner, torch.nn.Module):
         for k in [k for k, (r, _) in _OWNERS.items() if r() is None]:
-            del _OWNERS[k]
+            del _OWNERS[k]  # (records dropped from _COMPILED)
         _OWNERS[id(record)] = (weakref.ref(record), weakref.ref(owner))
 
 
