@@ -54,6 +54,15 @@ hardened call is running.
   ``state_dict()`` would read the scale back: a host sync at every SpikeGuard snapshot), and
   the per-optimizer unscale record a rewind forgets.
 - ``dynamo_source``: aot_autograd asks each placeholder of a dynamo graph for its source.
+- ``compile_context``: ``torch.compile`` wraps a backend in ``_TorchCompileWrapper``, which
+  drops the backend's ``backend_ctx_ctor`` (the context dynamo enters around each call of the
+  compiled callable): handed on for nanpass's backends, so the calls dynamo runs outside the
+  graphs (graph breaks, skipped frames, past the recompile limit) are guarded.
+- ``compiling_frame``: the locals of the frame dynamo is compiling, read by the backend (its
+  ``self``: the instance a graph is for, and the model module paths are taken in).
+- ``module_call_impl``: ``nn.Module._call_impl``, the frame ``model.compile()`` compiles.
+- ``tracing_context``: whether dynamo, AOTAutograd or inductor is tracing (fake tensors reach
+  the stand-ins then; they run torch's own function).
 - ``clamp_grad_at_bounds``: not an internal but a public behaviour that changed: up to 2.13
   ``clamp``'s gradient is 1 at a bound, from 2.14 it is 0 (0.5 with tensor bounds). A guard's
   clamp must pass the gradient on the closed safe domain, so the guard takes ``clamp`` where
