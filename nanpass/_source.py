@@ -60,7 +60,8 @@ def module_path(node) -> tuple[str, str]:
     path = str(path)
     gm = getattr(node.graph, "owning_module", None)
     self_is_module = getattr(gm, "meta", {}).get(SELF_IS_MODULE, True)
-    if self_is_module and _DYNAMO_ROOT.match(path) and _DYNAMO_ROOT.match(path).group(1).strip(".[]'\"") == "self":
+    local = _DYNAMO_ROOT.match(path)
+    if self_is_module and local is not None and local.group(1).strip(".[]'\"") == "self":
         path = _dotted(_DYNAMO_ROOT.sub("", path))
     else:
         root, dotted = _dotted(str(entries[0][0])), _dotted(path)
