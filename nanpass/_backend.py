@@ -11,22 +11,26 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import operator
+import sys
 import weakref
 from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 
+from . import _compat, _fastpath
 from ._check import flagged
 from ._compat import dynamo_cache_entries, inductor_with, inner_compiler
 from ._config import Config, make_config
 from ._errors import ConfigError
+from ._intercept import Sites
 from ._rewrite import Change, GraphRecord, rewrite_and_record, untap
 from ._rules import CALLS
 from ._selfcheck import refuse_broken_guards
 from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
-from ._source import module_path, user_frame
+from ._source import SELF_IS_MODULE, module_path, user_frame
 from ._watch import GraphSites, Watch
 from ._watch import inplace as _inplace
 
@@ -42,31 +46,70 @@ _RECORD = "_nanpass_graph_record"
 
 def _dynamo_records(model: torch.nn.Module) -> set[int]:
     """Walk dynamo's cache entries of every forward in the model (and their resume functions
-    after graph breaks) to the callables this backend returned."""
+    after graph breaks) to the callables this backend returned. A class's code is shared by
+    all its instances: an entry whose graphs were compiled for another instance (dynamo
+    compiled the frame with another module as ``self``) is not this model's, nor are the
+    resume functions reached from it."""
     found: set[int] = set()
     seen: set = set()
-    stack = [type(m).forward for m in model.modules()]
+    mine = {id(m) for m in model.modules()}
+    stack = [(type(m).forward, None) for m in model.modules()]
+    stack.append((_compat.module_call_impl(), None))  # model.compile(): the frames are _call_impl's
     while stack:
-        fn = stack.pop()
+        fn, owned = stack.pop()
         code = getattr(fn, "__code__", None)
-        if code is None or code in seen:
+        if code is None or (code, owned) in seen:
             continue
-        seen.add(code)
+        seen.add((code, owned))
         for entry in dynamo_cache_entries(code):
+            records, resumes = [], []
             for name in entry.code.co_names:
                 obj = fn.__globals__.get(name)
                 if name.startswith("__resume_at"):
-                    stack.append(obj)
+                    resumes.append(obj)
                 elif name.startswith("__compiled_fn"):
                     while obj is not None:
                         record = getattr(obj, _RECORD, None)  # functools.wraps copies it along
                         if record is None and _hashable(obj):
                             record = _BY_CALLABLE.get(obj)
                         if record is not None:
-                            found.add(id(record))
+                            records.append(record)
                             break
                         obj = getattr(obj, "__wrapped__", None)
+            owners = [_owner(r) for r in records]
+            owners = {id(o) if o is not None else None for o in owners if o is not _UNKNOWN}
+            if owners and not owners & mine:
+                continue  # another instance's graphs (one freed since included)
+            if not owners and owned is None and fn is _compat.module_call_impl():
+                continue  # (every module's _call_impl: only an entry known to be this model's)
+            found.update(id(r) for r in records)
+            stack.extend((r, bool(owners) or owned) for r in resumes)
     return found
+
+
+# the module dynamo compiled each graph's frame for (its ``self``), by the record's id
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+_UNKNOWN = object()
+
+
+def _owner(record: GraphRecord):
+    """The module the record's frame was compiled for; None: freed since; ``_UNKNOWN``: not a
+    module's frame, or not known."""
+    got = _OWNERS.get(id(record))
+    if got is None or got[0]() is not record:
+        return _UNKNOWN
+    return got[1]()
+
+
+def _note_owner(record: GraphRecord) -> None:
+    """The module whose frame dynamo is compiling (``self``), if the frame is a module's."""
+    owner = _compat.compiling_frame_locals().get("self")
+    if isinstance(owner, torch.nn.Module):
+        for k in [k for k, (r, _) in _OWNERS.items() if r() is None]:
+            del _OWNERS[k]  # (records dropped from _COMPILED)
+        _OWNERS[id(record)] = (weakref.ref(record), weakref.ref(owner))
 
 
 def _hashable(obj) -> bool:
@@ -187,6 +230,9 @@ def compile_graph(
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
     inner = inner or config.inner
+    frame = _compat.compiling_frame_locals()
+    if frame:  # paths are taken in the frame's self where it is a module (_source.module_path)
+        gm.meta[SELF_IS_MODULE] = isinstance(frame.get("self"), torch.nn.Module)
     checking = config.mode in ("check", "warn")
     sites = [] if checking and inner != "eager" else None
     eager = None
@@ -207,6 +253,8 @@ def compile_graph(
         untap(gm)
     if sites is not None:
         compiled = flagged(compiled, sites, warn=config.mode == "warn", eager=eager, probe=probe)
+    compiled = _outside_eager_guards(compiled)
+    _note_owner(record)
     # dynamo installs torch._dynamo.disable(compiled); where compiled is itself a disable
     # wrapper (aot_eager's, inductor's), that re-wraps the original callable and drops this
     # one: the record goes on both
@@ -218,6 +266,24 @@ def compile_graph(
         if _hashable(obj):
             _BY_CALLABLE[obj] = record
     return compiled
+
+
+def _outside_eager_guards(compiled):
+    """A compiled graph runs as compiled: the eager guards of the call it runs in (the
+    stand-ins, ``EagerSites``) are off inside it (the graph holds its own guards; inductor's
+    extern kernels and an eager graph's guard code call torch's functions by name)."""
+
+    def run(*args):
+        prev = _fastpath.paused()
+        if prev is None:
+            return compiled(*args)
+        try:
+            return compiled(*args)
+        finally:
+            _fastpath.resume(prev)
+
+    run.__wrapped__ = compiled
+    return run
 
 
 def _shape_checks(gm: fx.GraphModule, record: GraphRecord, config: Config,
@@ -237,6 +303,97 @@ def _shape_checks(gm: fx.GraphModule, record: GraphRecord, config: Config,
     return dataclasses.replace(record, code=gm.code, asserts=tuple(asserts))
 
 
+class EagerSites(Sites):
+    """The calls a compiled model or function makes outside every graph the backend rewrote
+    (after a graph break, in a frame dynamo skips, past the recompile limit, under
+    ``torch.compiler.set_stance("force_eager")``): each call the rule table names is guarded
+    as ``harden`` guards it (the stand-ins of ``_fastpath``), with the backend's options,
+    and recorded once per site with its module path (in the outermost module whose code is
+    running: the model the program called) and source line."""
+
+    def __init__(self, config: Config):
+        super().__init__(None, config)
+        self.roots: list[tuple[Change, weakref.ref | None]] = []  # each change, its model
+
+    def call(self, hit, args: tuple, kwargs: dict):
+        if _compat.tracing():  # dynamo, AOTAutograd or inductor running fake tensors through
+            rule, sp, swapped = hit  # torch's functions: torch's own, as written
+            if swapped:
+                args = (args[1], args[0], *args[2:])
+            return sp.call(*args, **kwargs)
+        return super().call(hit, args, kwargs)
+
+    def _path(self, module: torch.nn.Module | None) -> str | None:
+        if module is None:
+            return ""
+        got = self._paths.get(id(module))
+        if got is None or got[0]() is not module:
+            self._paths.update({id(m): (weakref.ref(m), name) for name, m in _root(module).named_modules()})
+            got = self._paths.get(id(module))
+        return got[1] if got is not None and got[0]() is module else None
+
+    def _note(self, key, rule, sp, module, frame, *rest, **kwargs) -> Change | None:
+        change = super()._note(key, rule, sp, module, frame, *rest, **kwargs)
+        if change is not None:
+            root = _root(module) if module is not None else None
+            self.roots.append((change, weakref.ref(root) if root is not None else None))
+        return change
+
+    def changes_of(self, model: torch.nn.Module | None) -> list[Change]:
+        """The changes made in ``model``'s calls (all of them for None)."""
+        return [c for c, ref in self.roots if model is None or (ref is not None and ref() is model)]
+
+
+def _root(module: torch.nn.Module) -> torch.nn.Module:
+    """The outermost module whose code is running (the model the program called), past the
+    wrapper ``torch.compile`` puts around a module (its paths would start ``_orig_mod.``)."""
+    root = module
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_argcount and f.f_code.co_varnames[0] == "self":
+            obj = f.f_locals.get("self")
+            if isinstance(obj, torch.nn.Module) and not _compat.compiled_module(obj):
+                root = obj
+        f = f.f_back
+    return root
+
+
+class _EagerCalls:
+    """Entered by dynamo around each call of a compiled callable: the stand-ins guard what
+    runs eagerly in it; graphs and dynamo's own tracing run as they would without."""
+
+    __slots__ = ("sites", "prev")
+
+    def __init__(self, sites: EagerSites | None):
+        self.sites = sites
+
+    def __enter__(self):
+        self.prev = _fastpath.enter(self.sites) if self.sites is not None else None
+
+    def __exit__(self, *exc):
+        if self.sites is not None:
+            _fastpath.leave(self.prev)
+        return False
+
+
+# every EagerSites made (report() looks for a model's eager calls in each), in order
+_EAGER: list[EagerSites] = []
+
+
+def _eager_sites(config: Config) -> EagerSites | None:
+    """Eager guards for a backend's calls: in guard mode (check modes look at every call,
+    which the stand-ins do not see)."""
+    if config.mode != "guard":
+        return None
+    sites = EagerSites(config)
+    _EAGER.append(sites)
+    return sites
+
+
+def eager_changes(model: torch.nn.Module | None) -> list[Change]:
+    return [c for s in _EAGER for c in s.changes_of(model)]
+
+
 class Backend:
     """A configured backend: ``torch.compile(model, backend=nanpass.backend(...))``.
     ``.graphs`` holds a GraphRecord for every graph it compiled."""
@@ -246,6 +403,14 @@ class Backend:
         self.inductor = inductor or Inductor()
         self.graphs: list[GraphRecord] = []
         self._first_shapes: dict = {}  # shape_checks: the first compile's shapes, per graph
+        self.eager = _eager_sites(config)
+        eager = self.eager
+
+        def context(**_):
+            return _EagerCalls(eager)
+
+        # (an attribute of the instance: dynamo's own wrapper copies the backend's __dict__)
+        self.backend_ctx_ctor = _compat.compile_context(context)
 
     def __call__(self, gm: fx.GraphModule, example_inputs, mode: str | None = None,
                  options: dict | None = None, **_):
@@ -262,7 +427,12 @@ class Backend:
 
     @property
     def changes(self) -> list[Change]:
-        return [c for g in self.graphs for c in g.changes]
+        return [c for g in self.graphs for c in g.changes] + self.eager_changes
+
+    @property
+    def eager_changes(self) -> list[Change]:
+        """The calls guarded (or left) outside every graph: see ``EagerSites``."""
+        return self.eager.changes_of(None) if self.eager is not None else []
 
     def __repr__(self) -> str:
         return f"nanpass.backend({self.config.as_options() | {'inner': self.config.inner}})"
@@ -306,8 +476,29 @@ def nanpass_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     shape_checks compares recompiles with) lives in it, never in a global two models share.
     ``torch.compile``'s ``mode`` and the options that are not nanpass's go to inductor."""
     options = options if options is not None else {}
-    given = {k: v for k, v in options.items() if k != _STATE}
+    given = {k: v for k, v in options.items() if k not in (_STATE, _EAGER_KEY)}
     config = _config(given, inductor_ok=True)
     inductor = _inductor(mode, {k: v for k, v in given.items() if k not in OPTIONS}, config.inner)
     first = options.setdefault(_STATE, {}) if config.shape_checks else None
     return compile_graph(gm, example_inputs, config, first_shapes=first, inductor=inductor)
+
+
+_EAGER_KEY = "__nanpass_eager__"
+_ENTRY_EAGER: dict = {}  # the entry point without options: its eager guards, made once
+
+
+@_compat.compile_context
+def _entry_context(options: dict | None = None, **_):
+    """``torch.compile(model, backend="nanpass", options=...)``: the eager guards of each call,
+    kept in the options dict (the same one on every call of that compiled model)."""
+    if options is None:
+        if "sites" not in _ENTRY_EAGER:
+            _ENTRY_EAGER["sites"] = _eager_sites(_config({}, inductor_ok=True))
+        return _EagerCalls(_ENTRY_EAGER["sites"])
+    if _EAGER_KEY not in options:
+        given = {k: v for k, v in options.items() if k not in (_STATE, _EAGER_KEY)}
+        options[_EAGER_KEY] = _eager_sites(_config(given, inductor_ok=True))
+    return _EagerCalls(options[_EAGER_KEY])
+
+
+nanpass_backend.backend_ctx_ctor = _entry_context

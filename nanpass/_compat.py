@@ -57,6 +57,15 @@ hardened call is running.
   ``state_dict()`` would read the scale back: a host sync at every SpikeGuard snapshot), and
   the per-optimizer unscale record a rewind forgets.
 - ``dynamo_source``: aot_autograd asks each placeholder of a dynamo graph for its source.
+- ``compile_context``: ``torch.compile`` wraps a backend in ``_TorchCompileWrapper``, which
+  drops the backend's ``backend_ctx_ctor`` (the context dynamo enters around each call of the
+  compiled callable): handed on for nanpass's backends, so the calls dynamo runs outside the
+  graphs (graph breaks, skipped frames, past the recompile limit) are guarded.
+- ``compiling_frame``: the locals of the frame dynamo is compiling, read by the backend (its
+  ``self``: the instance a graph is for, and the model module paths are taken in).
+- ``module_call_impl``: ``nn.Module._call_impl``, the frame ``model.compile()`` compiles.
+- ``tracing_context``: whether dynamo, AOTAutograd or inductor is tracing (fake tensors reach
+  the stand-ins then; they run torch's own function).
 - ``clamp_grad_at_bounds``: not an internal but a public behaviour that changed: up to 2.13
   ``clamp``'s gradient is 1 at a bound, from 2.14 it is 0 (0.5 with tensor bounds). A guard's
   clamp must pass the gradient on the closed safe domain, so the guard takes ``clamp`` where
@@ -1028,6 +1037,96 @@ def _patch_graph_calls_if_present(module) -> None:
     _patch_graph_calls(module)
 
 
+# -- issue 45: report and eager fallback --------------------------------------------------
+
+
+@entry("compile_context", "torch._TorchCompileWrapper (what torch.compile hands dynamo for a "
+       "backend other than inductor: compiler_fn, kwargs) and dynamo entering a backend's "
+       "backend_ctx_ctor around each call of the compiled callable")
+def _compile_wrapper():
+    wrapper = torch._TorchCompileWrapper
+    init = wrapper.__init__
+    if "backend" not in init.__code__.co_varnames:
+        raise AttributeError("_TorchCompileWrapper.__init__ no longer takes the backend")
+    return wrapper
+
+
+_CONTEXT_MARK = "_nanpass_compile_context"
+
+
+def compile_context(make):
+    """``make(**torch_compile_kwargs)``: the context each call of a function or model
+    ``torch.compile`` compiled with this backend runs in (dynamo enters a backend's
+    ``backend_ctx_ctor`` around the call, where frames run eagerly too: after a graph break, a
+    frame dynamo skips, past the recompile limit). ``torch.compile`` wraps a backend in a
+    ``_TorchCompileWrapper`` that drops the attribute: it is handed on here, with the
+    ``mode=``/``options=`` that call was given, for the backends marked so only."""
+    setattr(make, _CONTEXT_MARK, True)
+    return make
+
+
+def _patch_compile_wrapper() -> None:
+    cls = _compile_wrapper()
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, backend, *args, **kwargs):
+        init(self, backend, *args, **kwargs)
+        make = getattr(getattr(self, "compiler_fn", None), "backend_ctx_ctor", None)
+        if make is not None and getattr(make, _CONTEXT_MARK, False):
+            self.backend_ctx_ctor = functools.partial(make, **getattr(self, "kwargs", {}))
+
+    cls.__init__ = __init__
+
+
+@entry("compiling_frame", "torch._dynamo.symbolic_convert.InstructionTranslator.current_tx() "
+       "and its f_locals (the frame dynamo is compiling, read while a backend compiles it)",
+       at_import=False)
+def _current_tx():
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    return InstructionTranslator.current_tx
+
+
+def compiling_frame_locals() -> dict:
+    """The locals of the frame dynamo is compiling now ({} where none is known)."""
+    try:
+        tx = _current_tx()()
+    except Exception:  # noqa: BLE001 - none compiling, or a torch without it: owner unknown
+        return {}
+    while getattr(tx, "parent", None) is not None:  # (an inlined call's translator)
+        tx = tx.parent
+    got = getattr(tx, "f_locals", None)
+    return got if isinstance(got, dict) else {}
+
+
+@entry("module_call_impl", "torch.nn.Module._call_impl (the frame nn.Module.compile() compiles)")
+def _module_call_impl():
+    return torch.nn.Module._call_impl
+
+
+def module_call_impl():
+    """The function whose frames ``model.compile()`` compiles (every module's)."""
+    return _module_call_impl() if "module_call_impl" not in MISSING else None
+
+
+def compiled_module(obj) -> bool:
+    """Whether ``obj`` is the wrapper ``torch.compile`` returns for a module (OptimizedModule;
+    told without importing dynamo)."""
+    return type(obj).__module__ == "torch._dynamo.eval_frame" and hasattr(obj, "_orig_mod")
+
+
+@entry("tracing_context", "torch._guards.TracingContext.try_get (set while dynamo, AOTAutograd "
+       "or inductor trace; fake tensors flow through torch's functions then)")
+def _tracing_context():
+    return torch._guards.TracingContext.try_get
+
+
+def tracing() -> bool:
+    """Whether dynamo, AOTAutograd or inductor is tracing on this thread now."""
+    return _tracing_context()() is not None
+
+
 def _install() -> None:
     """Probe every entry once and apply the patches whose hooks exist."""
     for name, e in ENTRIES.items():
@@ -1041,6 +1140,8 @@ def _install() -> None:
         _patch_checkpoint()
     if "fast_path_check" not in MISSING:
         _patch_fast_path_check()
+    if "compile_context" not in MISSING:
+        _patch_compile_wrapper()
     _after_import("torch._dynamo.output_graph", _patch_graph_calls_if_present)
     if "eager_handler" in MISSING:
         warnings.warn(

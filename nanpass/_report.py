@@ -569,11 +569,18 @@ def _verdict_line(cert) -> str:
     return f"certificate: {head} ({counts or 'no unsafe op'})"
 
 
+def _eager_section(changes: list[Change]) -> list[GraphRecord]:
+    """The calls a compiled model made outside every graph (after a graph break, in a frame
+    dynamo skipped, past its recompile limit), guarded as harden guards them: one section,
+    capture "intercept", as a hardened model's."""
+    return [GraphRecord("intercept", "\n", "\n", list(changes), 0.0)] if changes else []
+
+
 def report(obj, certificate=None) -> Report:
     """The report of a hardened model, a ``nanpass.backend(...)``, or a model compiled with
     ``backend="nanpass"`` that has run at least once. ``certificate``: a ``nanpass.certify``
     result to show with it (its verdict per op)."""
-    from ._backend import Backend, graphs_of
+    from ._backend import Backend, eager_changes, graphs_of
     from ._certify import Certificate
     from ._harden import Hardened
 
@@ -586,10 +593,10 @@ def report(obj, certificate=None) -> Report:
                               "sites as it runs; call it once first")
         return Report(type(obj.original).__name__, obj.graphs, certificate)
     if isinstance(obj, Backend):
-        return Report("nanpass.backend", obj.graphs, certificate)
+        return Report("nanpass.backend", obj.graphs + _eager_section(obj.eager_changes), certificate)
     if isinstance(obj, torch.nn.Module):
         model = getattr(obj, "_orig_mod", obj)
-        graphs = graphs_of(model)
+        graphs = graphs_of(model) + _eager_section(eager_changes(model))
         if not graphs:
             raise ReportError(
                 f"nanpass: no graph of {type(model).__name__} was compiled with the nanpass backend; "

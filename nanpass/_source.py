@@ -33,20 +33,43 @@ def user_frame(stack_trace: str | None) -> tuple[str, str] | None:
     return found or last
 
 
+def _dotted(path: str) -> str:
+    """A path as dynamo writes it (``L['self'].layers[0]``, ``getattr(L.s, '<odd>')``) in dots."""
+    while _GETATTR.search(path):  # getattr(L.s, '<odd name>') for names that are not identifiers
+        path = _GETATTR.sub(lambda m: f"{m.group(1)}.{m.group(2)}", path)
+    return _INDEX.sub(lambda m: "." + m.group(1), path)
+
+
+# set on a dynamo graph (``gm.meta``) by the backend: whether the compiled frame's ``self`` is a
+# module (then it is the model, and paths are taken in it)
+SELF_IS_MODULE = "nanpass_self_is_module"
+
+
 def module_path(node) -> tuple[str, str]:
-    """(dotted path as in named_modules(), class name) of the module a node ran in."""
+    """(dotted path as in named_modules(), class name) of the module a node ran in. The path is
+    taken in the model: the frame's ``self`` where it is a module (``torch.compile(model)``),
+    else the outermost module the frame reached (a global, a closure's, ``self.model`` of a
+    trainer), as that module's ``named_modules()`` names it."""
     if node.op == "call_module":
         return str(node.target), ""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return "", ""
-    path, cls = list(stack.values())[-1]
+    entries = list(stack.values())
+    path, cls = entries[-1]
     path = str(path)
-    while _GETATTR.search(path):  # getattr(L.s, '<odd name>') for names that are not identifiers
-        path = _GETATTR.sub(lambda m: f"{m.group(1)}.{m.group(2)}", path)
-    path = _DYNAMO_ROOT.sub("", path)
-    path = _INDEX.sub(lambda m: "." + m.group(1), path).strip(".")
-    return path, getattr(cls, "__name__", str(cls))
+    gm = getattr(node.graph, "owning_module", None)
+    self_is_module = getattr(gm, "meta", {}).get(SELF_IS_MODULE, True)
+    local = _DYNAMO_ROOT.match(path)
+    if self_is_module and local is not None and local.group(1).strip(".[]'\"") == "self":
+        path = _dotted(_DYNAMO_ROOT.sub("", path))
+    else:
+        root, dotted = _dotted(str(entries[0][0])), _dotted(path)
+        if dotted == root or dotted.startswith(root + "."):
+            path = dotted[len(root):]
+        else:  # pragma: no cover - a stack whose first entry does not hold the last
+            path = _dotted(_DYNAMO_ROOT.sub("", path))
+    return path.strip("."), getattr(cls, "__name__", str(cls))
 
 
 def input_name(node) -> str:
