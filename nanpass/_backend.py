@@ -434,6 +434,11 @@ class Backend:
         """The calls guarded (or left) outside every graph: see ``EagerSites``."""
         return self.eager.changes_of(None) if self.eager is not None else []
 
+    def __deepcopy__(self, memo) -> Backend:
+        """Itself: one backend is one record of what it compiled and guarded (Lightning
+        Fabric's torch.compile wrapper deep-copies the keyword arguments of every call)."""
+        return self
+
     def __repr__(self) -> str:
         return f"nanpass.backend({self.config.as_options() | {'inner': self.config.inner}})"
 

@@ -268,14 +268,6 @@ def _patch_graph_calls(module) -> None:
     cls.call_user_compiler = call_user_compiler
 
 
-@entry("tracing_context", "torch._guards.TracingContext.try_get (the frame dynamo is tracing, "
-       "so that what a traced hardened call notes reaches that frame's graph only)", at_import=False)
-def _tracing_context():
-    from torch._guards import TracingContext
-
-    return TracingContext.try_get
-
-
 @entry("higher_order_op", "torch._ops.HigherOrderOperator (the class of torch.cond, while_loop, "
        "checkpoint's tag_activation_checkpoint, invoke_subgraph, flex_attention in a graph)")
 def higher_order_op() -> type:
@@ -1117,7 +1109,8 @@ def compiled_module(obj) -> bool:
 
 
 @entry("tracing_context", "torch._guards.TracingContext.try_get (set while dynamo, AOTAutograd "
-       "or inductor trace; fake tensors flow through torch's functions then)")
+       "or inductor trace; fake tensors flow through torch's functions then; one per frame dynamo "
+       "compiles, so a traced hardened call's note reaches that frame's graph only)")
 def _tracing_context():
     return torch._guards.TracingContext.try_get
 

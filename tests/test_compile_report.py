@@ -189,3 +189,11 @@ def test_paths_of_a_compiled_module_are_its_named_modules():
     out = torch.compile(Net(), backend=be)(torch.zeros(2))
     assert torch.isneginf(out).all()
     assert {(c.module, c.action) for c in be.changes if c.op == "log"} == {("enc", "left"), ("", "guarded")}
+
+
+def test_a_backend_survives_a_deep_copy_of_the_compile_arguments():
+    """Lightning Fabric wraps torch.compile and deep-copies its keyword arguments."""
+    import copy
+
+    be = nanpass.backend(inner="aot_eager")
+    assert copy.deepcopy({"backend": be})["backend"] is be
