@@ -8,6 +8,7 @@ without a ``Change`` that says why.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -17,11 +18,12 @@ import torch.fx as fx
 
 from . import _stable
 from ._check import Site, check_input, checked, nonfinite_flag, tap
-from ._compat import no_dynamo_source
+from ._compat import autocast_targets, no_dynamo_source
 from ._config import Config
 from ._constants import memo
 from ._errors import RewriteError
 from ._guards import COUNTER, fenced, logits_loss
+from ._rule import computes_in
 from ._rules import BY_NAME, Rule, Spelling, match
 from ._source import input_name, module_path, user_frame
 from ._stats import Counter
@@ -255,8 +257,61 @@ def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
 
 
 def _out_of_dtype(rule: Rule, node: fx.Node) -> bool:
-    """The rule's op is unsafe only in other dtypes (a float32 matmul)."""
-    return bool(rule.only_dtypes) and _operand_dtype(node) not in (None, *rule.only_dtypes)
+    """The rule's op is unsafe only in other dtypes (a float32 matmul), and this call does not
+    compute in one of them: no operand of such a dtype, and no autocast to one where it runs
+    (read from the thread's autocast state, which ``_autocast_state`` sets to the node's)."""
+    if not rule.only_dtypes or _operand_dtype(node) is None:
+        return False
+    return not computes_in((*node.args, *node.kwargs.values()), rule.only_dtypes, rule.autocast_float32)
+
+
+def _autocast_state(regions: tuple):
+    """The thread's autocast state as it is where a node runs: the state around the compiled
+    call (which the backend runs in) with each region of the graph around the node entered in
+    turn (``regions``: the arguments of ``torch.autocast`` as dynamo recorded them)."""
+    if not regions:
+        return contextlib.nullcontext()
+    return _entered_regions(regions)
+
+
+@contextlib.contextmanager
+def _entered_regions(regions: tuple):
+    saved = []
+    try:
+        for vals in regions:
+            device = vals[0]
+            dtype = vals[1] if len(vals) > 1 else None
+            enabled = vals[2] if len(vals) > 2 and vals[2] is not None else True
+            saved.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+            torch.set_autocast_enabled(device, bool(enabled))
+            if dtype is not None:
+                torch.set_autocast_dtype(device, dtype)
+        yield
+    finally:
+        for device, enabled, dtype in reversed(saved):
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+
+
+def _track_region(node: fx.Node, regions: list, bodies: dict) -> None:
+    """Follow the autocast regions of a dynamo graph (``_enter_autocast``/``_exit_autocast``
+    nodes around a region) and note the regions each higher-order op's body runs in (and the
+    region ``wrap_with_autocast`` itself opens for its body)."""
+    if node.op != "call_function":
+        return
+    enter, leave, wrap = autocast_targets()
+    target = node.target
+    if target in enter:
+        regions.append(tuple(node.args))
+        return
+    if target in leave:
+        if regions:
+            regions.pop()
+        return
+    inner = (tuple(node.args[:4]),) if target in wrap else ()
+    for a in node.args:
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            bodies[str(a.target)] = (*regions, *inner)
 
 
 def _statically_safe(rule: Rule, sp: Spelling, node: fx.Node) -> str | None:
@@ -328,9 +383,10 @@ def _static_non_float(node: fx.Node) -> str | None:
 
 
 def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
-            sites: list | None = None) -> list[Change]:
+            sites: list | None = None, autocast: tuple = ()) -> list[Change]:
     """Rewrite ``gm`` in place; return one Change per op looked at. With ``config.count``,
-    each guard gets a Counter, appended to ``counters``."""
+    each guard gets a Counter, appended to ``counters``. ``autocast``: the autocast regions
+    ``gm`` runs in (a higher-order op's body inside one)."""
     changes: list[Change] = []
     if config.mode == "off":
         return changes
@@ -376,29 +432,21 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
         _stable.apply(gm, gm, record_stable)
 
     graph = gm.graph
+    regions: list = list(autocast)
+    bodies: dict = {}  # a higher-order op's body -> the autocast regions it runs in
     for node in list(graph.nodes):
+        _track_region(node, regions, bodies)
         hit = match(node, gm)
         if hit is None:
             continue
         rule, sp = hit
-        if _out_of_dtype(rule, node):
-            continue  # not unsafe in this dtype: not looked at (as under harden)
-        if not rule.guarded:
-            if rule.safe:
-                record(node, node.name, rule.name, sp.name, "left", "", rule.reason)
-            continue
-        path, _ = module_path(node)
-        why = None
-        if rule.name not in config.ops:
-            why = "op excluded by config"
-        elif config.excluded(path):
-            why = f"module {path!r} excluded by config"
-        else:
-            why = _statically_safe(rule, sp, node)
-        if why is None:
-            why = _static_non_float(node)
+        with _autocast_state(tuple(regions)):
+            why = _decide(rule, sp, node, config)
+        if why is _NOT_LOOKED_AT:
+            continue  # not unsafe in the dtype it computes in: not looked at (as under harden)
         if why is not None:
-            record(node, node.name, rule.name, sp.name, "left", "", why)
+            if why:
+                record(node, node.name, rule.name, sp.name, "left", "", why)
             continue
         guard = make_guard(rule, sp, config.consts(rule.name) if rule.constants else None)
         counter = None
@@ -429,10 +477,30 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
     gm.recompile()
     # the bodies of higher-order ops (a checkpointed region, a wrap, cond branches) are graphs
     # of their own: their unsafe ops are the model's too
-    for _, body in gm.named_children():
+    for name, body in gm.named_children():
         if isinstance(body, fx.GraphModule):
-            changes.extend(rewrite(body, config, counters, sites))
+            changes.extend(rewrite(body, config, counters, sites, bodies.get(name, tuple(autocast))))
     return changes
+
+
+_NOT_LOOKED_AT = object()
+
+
+def _decide(rule: Rule, sp: Spelling, node: fx.Node, config: Config):
+    """Why a node the table names is left as written (``""``: left and not reported; the
+    sentinel ``_NOT_LOOKED_AT``: not unsafe in the dtype it computes in, not looked at, as
+    under harden), or None: guard it. Read under the autocast state where the node runs."""
+    if _out_of_dtype(rule, node):
+        return _NOT_LOOKED_AT
+    if not rule.guarded:
+        return rule.reason if rule.safe else ""
+    path, _ = module_path(node)
+    if rule.name not in config.ops:
+        return "op excluded by config"
+    if config.excluded(path):
+        return f"module {path!r} excluded by config"
+    why = _statically_safe(rule, sp, node)
+    return why if why is not None else _static_non_float(node)
 
 
 @dataclass(frozen=True)
