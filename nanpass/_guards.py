@@ -55,7 +55,7 @@ from ._compat import (
     view_base,
 )
 from ._constants import PowDomain, bounds, memo, pow_domain
-from ._rule import _has_empty
+from ._rule import empty_operand
 
 Tensor = torch.Tensor
 
@@ -1159,14 +1159,33 @@ def mean_reduced(inner: Callable | None = None) -> Callable:
     None), so a loss over a non-empty selection keeps the original's bits and gradient."""
 
     def impl(fn, args, kwargs, consts, fence):
-        if _has_empty(args, kwargs):  # a dim of static size 0 (dynamo specialises 0 and 1)
+        empty = empty_operand(args, kwargs)
+        if empty:  # a dim of static size 0 (dynamo specialises 0 and 1)
             out = None if isinstance(fn, torch.nn.Module) else _reduced_over_none(fn, args, kwargs)
             return _of_none(fn, args, kwargs) if out is None else out
-        if inner is None:
-            return fn(*args, **kwargs)
-        return inner(fn, args, kwargs, consts, fence)
+        written = fn(*args, **kwargs) if inner is None else inner(fn, args, kwargs, consts, fence)
+        if empty is None and not isinstance(fn, torch.nn.Module):
+            return _maybe_over_none(fn, args, kwargs, written)
+        return written
 
     return impl
+
+
+def _maybe_over_none(fn, args, kwargs, written):
+    """A reduced loss over a selection whose size is known only at run time (an unbacked size
+    in a traced graph): no branch on it can be traced, so both are computed and the count
+    chooses, as a tensor: ``_reduced_over_none``'s sum where there is no element, the loss as
+    written (its bits) where there are some. The written loss's NaN over no element gets a
+    zero gradient from the ``where`` and is an empty gradient there."""
+    reduction, to = _reduction(fn, args, kwargs)
+    if reduction not in _REDUCED or not isinstance(written, Tensor):
+        return written
+    each_args, each_kwargs = to("none")
+    each = fn(*each_args, **each_kwargs)
+    if not isinstance(each, Tensor):
+        return written
+    none = torch.scalar_tensor(each.numel(), dtype=torch.float64, device=each.device) == 0
+    return torch.where(none, each.sum().to(written.dtype), written)
 
 
 def _check_key_padding_mask(mask: Tensor, src_len: int, bsz: int) -> None:

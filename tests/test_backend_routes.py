@@ -102,9 +102,8 @@ def test_a_product_inside_an_autocast_region_is_guarded_under_inductor():
 
 
 @pytest.mark.parametrize("loss", [F.mse_loss, F.l1_loss, F.smooth_l1_loss])
-def test_a_loss_over_a_data_dependent_selection_is_guarded(loss, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
-
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_a_loss_over_a_data_dependent_selection_is_guarded(loss):
     def f(p, d):
         i = (d > 0).nonzero().squeeze(1)
         return loss(p[i], d[i])
@@ -124,9 +123,8 @@ def test_a_loss_over_a_data_dependent_selection_is_guarded(loss, monkeypatch):
 # -- 3. a scalar out of .item(): the division by it is guarded, and compiles ----------------------
 
 
-def test_a_division_by_an_item_scalar_compiles_and_is_guarded(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
-
+@torch._dynamo.config.patch(capture_scalar_outputs=True)
+def test_a_division_by_an_item_scalar_compiles_and_is_guarded():
     def f(loss, mask):
         return (loss * mask).sum() / mask.sum().item()
 
