@@ -649,11 +649,19 @@ def _quotient(q: Tensor, zero, *operands) -> Tensor:
     return finite_by_position(q, *operands, always=True)
 
 
+def _symbolic(x) -> bool:
+    """A Python number known only at run time in a traced graph (``loss.sum().item()`` with
+    ``capture_scalar_outputs``): a test on it must be a tensor, never a branch."""
+    return isinstance(x, (torch.SymInt, torch.SymFloat))
+
+
 def div(fn, args, kwargs, consts, fence):
     (x, d), rest, kw = operands(args, kwargs, ("input", "other"))
     q = fn(fence(x), fence(d), *rest, **kw)
     if not q.is_floating_point():
         return q
+    if _symbolic(d):  # float64 holds a Python number exactly: a tiny divisor is no 0
+        d = torch.scalar_tensor(d, dtype=torch.float64, device=q.device)
     return _quotient(q, d == 0, x, d)
 
 
