@@ -206,7 +206,7 @@ def _check_graph(gm: fx.GraphModule, config: Config, record) -> None:
         rule, sp = hit
         where = _site(node, gm, rule, sp)
         with graph.inserting_before(node):
-            args = node.args
+            args = _operands(node, sp)
             if sp.kind == "module":
                 args = (graph.get_attr(str(node.target)), *args)
             new = graph.call_function(make_checker(rule, sp, where, warn), args, dict(node.kwargs))
@@ -314,11 +314,19 @@ def _track_region(node: fx.Node, regions: list, bodies: dict) -> None:
             bodies[str(a.target)] = (*regions, *inner)
 
 
+def _operands(node: fx.Node, sp: Spelling) -> tuple:
+    """The node's positional operands in the op's own order: a reflected dunder written out
+    (``x.__rtruediv__(2.0)``, 2 / x) holds its right operand first."""
+    if sp.reflected and len(node.args) >= 2:
+        return (node.args[1], node.args[0], *node.args[2:])
+    return node.args
+
+
 def _statically_safe(rule: Rule, sp: Spelling, node: fx.Node) -> str | None:
     """Why this call is safe from its arguments alone (``Rule.safe_if``: x ** 3 in float32)."""
     if sp.kind == "module" or rule.safe_if is None:
         return None
-    return rule.safe_if(node.args, node.kwargs)
+    return rule.safe_if(_operands(node, sp), node.kwargs)
 
 
 def _tap_operands(graph: fx.Graph, node: fx.Node, sp: Spelling, probe: fx.Node | None):
@@ -456,7 +464,7 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
         original = node.name
         try:
             with graph.inserting_before(node):
-                args = node.args
+                args = _operands(node, sp)
                 if sp.kind == "module":
                     args = (graph.get_attr(str(node.target)), *args)
                 new = graph.call_function(guard, args, dict(node.kwargs))

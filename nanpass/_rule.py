@@ -35,6 +35,9 @@ class Spelling(NamedTuple):
     target: object  # the fx node target: a callable, a method name, or a module class
     call: Callable | None  # the op as written (None for modules: the instance is the callable)
     outplace: Callable | None = None  # for in-place spellings: the out-of-place op to guard
+    # a reflected dunder written as a method call (``x.__rtruediv__(2.0)`` is 2 / x): its node
+    # holds the right operand first, and ``call`` takes the operands in the op's own order
+    reflected: bool = False
 
     @property
     def inplace(self) -> bool:
@@ -127,6 +130,9 @@ class Rule:
     functions: tuple[str, ...] | None = None  # None: derived from the name
     operators: tuple[str, ...] = ()  # in-place operator spellings go in inplace_operators
     inplace_operators: tuple[tuple[str, str], ...] = ()  # (in-place, out-of-place)
+    # other names of the operators' Tensor dunders, (alias, the dunder it stands for): Python 2's
+    # ``__div__``, ``__rdiv__``, ``__idiv__``, which Tensor still has and a user can call
+    dunder_aliases: tuple[tuple[str, str], ...] = ()
     methods: tuple[str, ...] | None = None  # None: Tensor.<name> where it exists
     inplace: bool | None = None  # derive "name_" in-place methods (None: where torch has them)
     modules: tuple[str, ...] = ()
