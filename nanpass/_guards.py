@@ -188,7 +188,9 @@ class _Fence(torch.autograd.Function):
 
 class _FenceJvp(_Fence):
     """Eager: with forward mode (jacfwd, hessian). Dynamo refuses a custom ``jvp``, so a
-    traced region takes ``_Fence``."""
+    region dynamo traces (and an export) takes ``_Fence``; a graph the backend rewrote is
+    traced by aot_autograd, which runs the forward AD of ``torch.func.hessian`` inside it
+    with this jvp (``_dynamo_traced``)."""
 
     @staticmethod
     def jvp(ctx, tangent):  # the identity's tangent
@@ -217,6 +219,13 @@ class _FiniteJvp(_Finite):
     @staticmethod
     def jvp(ctx, tangent, _):
         return tangent
+
+
+def _dynamo_traced() -> bool:
+    """Whether dynamo (or export) traces this call: it refuses a Function with a custom
+    ``jvp``. Anything else (eager, and aot_autograd tracing the backend's rewritten graph,
+    where forward AD may run inside the graph) takes the Functions with their jvp."""
+    return torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
 
 
 # eager: the C apply (the Python wrapper binds each call's arguments with inspect.signature)
@@ -264,7 +273,7 @@ class Fences:
 
     def __call__(self, x):
         if isinstance(x, Tensor) and x.requires_grad and x.is_floating_point():
-            x, token = _Fence.apply(x) if torch.compiler.is_compiling() else _FENCE_EAGER(x)
+            x, token = _Fence.apply(x) if _dynamo_traced() else _FENCE_EAGER(x)
             self.tokens.append(token)
         return x
 
@@ -437,7 +446,7 @@ def finite(x, nan: Tensor | float | None = None):
     _count(lambda: _changed(x, nan))
     if not x.requires_grad:
         return _saturate(x, nan)
-    return _Finite.apply(x, nan) if torch.compiler.is_compiling() else _FINITE_EAGER(x, nan)
+    return _Finite.apply(x, nan) if _dynamo_traced() else _FINITE_EAGER(x, nan)
 
 
 def _changed(x: Tensor, nan) -> Tensor:
@@ -820,7 +829,7 @@ def finite_in_out(fn, args, kwargs, consts, fence):
     if not x.requires_grad:
         xs = _FiniteRows.forward(x, top)
     else:
-        xs = _FiniteRows.apply(x, top) if torch.compiler.is_compiling() else _FINITE_ROWS_EAGER(x, top)
+        xs = _FiniteRows.apply(x, top) if _dynamo_traced() else _FINITE_ROWS_EAGER(x, top)
     # a row's NaN is an operand's (every other row is finite now): NaN where its row holds one
     return finite(fn(xs, *rest, **kw), top.clamp(0, 0))
 
