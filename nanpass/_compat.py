@@ -1023,6 +1023,26 @@ def may_be_zero(n) -> bool:
     return not known(n != 0)
 
 
+@entry("fake_mode_of", "torch._subclasses.fake_tensor.FakeTensor and its .fake_mode (the "
+       "FakeTensorMode a dynamo example value belongs to)", at_import=False)
+def _fake_tensor():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
+
+
+def fake_mode_of(values):
+    """The FakeTensorMode of the first fake tensor among ``values``, or None."""
+    try:
+        fake = _fake_tensor()
+    except (ImportError, AttributeError):
+        return None
+    for v in values:
+        if isinstance(v, fake):
+            return v.fake_mode
+    return None
+
+
 @entry("data_dependent_errors", "torch._subclasses.fake_tensor.DataDependentOutputException and "
        "torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode (a tracer asked for a "
        "value known only at run time)", at_import=False)

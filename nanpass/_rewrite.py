@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -18,15 +20,16 @@ import torch.fx as fx
 
 from . import _stable
 from ._check import Site, check_input, checked, nonfinite_flag, tap
-from ._compat import autocast_targets, no_dynamo_source
+from ._compat import autocast_targets, data_dependent, fake_mode_of, no_dynamo_source
 from ._config import Config
 from ._constants import memo
 from ._errors import RewriteError
+from . import _guards
 from ._guards import COUNTER, fenced, logits_loss
 from ._rule import computes_in
-from ._rules import BY_NAME, Rule, Spelling, match
+from ._rules import BY_NAME, CALLS, GUARDED, Rule, Spelling, match
 from ._source import input_name, module_path, user_frame
-from ._stats import Counter
+from ._stats import Counter, GuardWarning
 
 Tensor = torch.Tensor
 
@@ -351,6 +354,22 @@ def _tap_operands(graph: fx.Graph, node: fx.Node, sp: Spelling, probe: fx.Node |
     return probe
 
 
+def eagerly(gm: fx.GraphModule, inner: str, err: Exception):
+    """The rewritten graph run as it is, where the inner compiler cannot trace it because
+    torch's own code in it reads a value known only at run time (the backward of
+    ``torch._higher_order_ops.while_loop`` calls ``.item()`` when an input requires grad):
+    dynamo would graph-break there and run the region eagerly without its guards; here it
+    runs eagerly with them, and says so. Any other failure is raised as it came."""
+    if not data_dependent(err):
+        raise err
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    warnings.warn(
+        f"nanpass: the inner compiler {inner!r} cannot trace this graph ({type(err).__name__}"
+        f"{': ' + first[:120] if first else ''}); it runs eagerly, with its guards",
+        GuardWarning, stacklevel=2)
+    return gm.forward
+
+
 def untap(gm: fx.GraphModule) -> None:
     """Take the taps and the probe out again once the inner compiler has traced the graph:
     dynamo reads its graph's inputs after the backend returns, and the probe is not one."""
@@ -446,6 +465,8 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
         _track_region(node, regions, bodies)
         hit = match(node, gm)
         if hit is None:
+            if _opaque_function(node) and not config.excluded(module_path(node)[0]):
+                _guard_opaque(gm, node, config, record)
             continue
         rule, sp = hit
         with _autocast_state(tuple(regions)):
@@ -492,6 +513,98 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
 
 
 _NOT_LOOKED_AT = object()
+
+
+def _opaque_function(node: fx.Node) -> bool:
+    """A call of a Python function dynamo put into the graph whole, its body untraced
+    (``torch._dynamo.allow_in_graph(fn)``, as einops does): a function of the user's or a
+    library's, not torch's own (which dynamo keeps whole on purpose: F.layer_norm) or nanpass's."""
+    fn = node.target
+    if node.op != "call_function" or not isinstance(fn, types.FunctionType):
+        return False
+    module = getattr(fn, "__module__", None) or ""
+    return not (module == "torch" or module.startswith(("torch.", "nanpass")))
+
+
+def _as_written(fn, args, kwargs, consts, fence):
+    return fn(*args, **kwargs)
+
+
+def _within_guards(fn, config: Config):
+    """``fn`` run with each call it makes that the rule table names guarded (default
+    constants; the ops ``config`` excludes as written): the calls of a function dynamo keeps
+    whole are the model's too. Traced by the inner compiler, the guards go into its graph."""
+    mode = _guards._GUARDED_CALLS[0]
+    excluded = {name: _as_written for name in GUARDED if name not in config.ops}
+
+    def guarded(*args, **kwargs):
+        with mode(excluded):
+            return fn(*args, **kwargs)
+
+    guarded.__name__ = guarded.__qualname__ = f"guarded_{getattr(fn, '__name__', 'call')}"
+    guarded.__module__ = "nanpass"
+    guarded.__wrapped__ = fn
+    return guarded
+
+
+class _Calls(torch.overrides.TorchFunctionMode):
+    """The rule table's calls a function makes, in order (run once on dynamo's fake values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hits: list = []
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        try:
+            hit = CALLS.get(func)
+        except TypeError:
+            hit = None
+        if hit is not None and hit[0].guarded and hit not in self.hits:
+            self.hits.append(hit)
+        return func(*args, **(kwargs or {}))
+
+
+def _calls_of(node: fx.Node) -> list | None:
+    """The rule table's calls ``node``'s function makes on its example values (fake tensors,
+    nothing computed), or None where they cannot be run."""
+    def value(n):
+        return n.meta.get("example_value", n.meta.get("val"))
+
+    args = fx.node.map_arg(node.args, value)
+    kwargs = fx.node.map_arg(node.kwargs, value)
+    found: list = []
+    fx.node.map_aggregate((args, kwargs), lambda a: found.append(a) or a)
+    fake = fake_mode_of(found)
+    if fake is None:
+        return None
+    survey = _Calls()
+    try:
+        with fake, survey, torch.no_grad():
+            node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - its calls stay guarded; only the report is unknown
+        return None
+    return survey.hits
+
+
+def _guard_opaque(gm: fx.GraphModule, node: fx.Node, config: Config, record) -> None:
+    """Run an opaque function's calls under the guards, and report each unsafe op it makes
+    (a ``Change`` at the line that calls it); where they cannot be listed, a GuardWarning."""
+    fn = node.target
+    hits = _calls_of(node)
+    node.target = _within_guards(fn, config)
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    if hits is None:
+        frame = user_frame(node.meta.get("stack_trace"))
+        warnings.warn(
+            f"nanpass: {name} runs whole in the graph (torch._dynamo.allow_in_graph)"
+            f"{' at ' + frame[0] if frame else ''}: its calls are guarded with default constants, "
+            "and the report cannot list them", GuardWarning, stacklevel=2)
+        return
+    for rule, sp, _ in hits:
+        if rule.name in config.ops:
+            record(node, node.name, rule.name, f"{sp.name} in {name}", "guarded",
+                   rule.action + " (default constants, inside a function dynamo keeps whole)",
+                   rule.reason)
 
 
 def _decide(rule: Rule, sp: Spelling, node: fx.Node, config: Config):
