@@ -26,7 +26,7 @@ from ._compat import dynamo_cache_entries, inductor_with, inner_compiler
 from ._config import Config, make_config
 from ._errors import ConfigError
 from ._intercept import Sites
-from ._rewrite import Change, GraphRecord, rewrite_and_record, untap
+from ._rewrite import Change, GraphRecord, eagerly, rewrite_and_record, untap
 from ._rules import CALLS
 from ._selfcheck import refuse_broken_guards
 from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
@@ -137,9 +137,12 @@ def graphs_of(model: torch.nn.Module) -> list[GraphRecord]:
 def _inner(name: str, gm: fx.GraphModule, example_inputs, inductor: Inductor | None = None):
     if name == "eager":
         return gm.forward
-    if name == "inductor" and inductor is not None and inductor.given:
-        return inductor_with(inductor.mode, inductor.options)(gm, example_inputs)
-    return inner_compiler(name)(gm, example_inputs)
+    try:
+        if name == "inductor" and inductor is not None and inductor.given:
+            return inductor_with(inductor.mode, inductor.options)(gm, example_inputs)
+        return inner_compiler(name)(gm, example_inputs)
+    except Exception as err:  # noqa: BLE001 - re-raised unless torch's tracer refused a run-time value
+        return eagerly(gm, name, err)
 
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -1120,6 +1120,99 @@ def tracing() -> bool:
     return _tracing_context()() is not None
 
 
+# -- issue 45: backend rewrite ------------------------------------------------------------
+
+
+@entry("autocast_nodes", "torch.amp.autocast_mode._enter_autocast and _exit_autocast (the nodes "
+       "dynamo puts around an autocast region) and torch._higher_order_ops.wrap.wrap_with_autocast "
+       "(the region as a body of its own)", at_import=False)
+def _autocast_nodes():
+    from torch._higher_order_ops.wrap import wrap_with_autocast
+    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+
+    return _enter_autocast, _exit_autocast, wrap_with_autocast
+
+
+@functools.cache
+def autocast_targets() -> tuple[frozenset, frozenset, frozenset]:
+    """(enter, exit, wrap): the fx targets that open and close an autocast region in a dynamo
+    graph, and the higher-order op whose body runs in one. A form the running torch lacks
+    cannot appear in its graphs: its set is empty."""
+    try:
+        enter, leave, wrap = _autocast_nodes()
+    except (ImportError, AttributeError) as err:
+        MISSING["autocast_nodes"] = f"{type(err).__name__}: {err}"
+        return frozenset(), frozenset(), frozenset()
+    return frozenset((enter,)), frozenset((leave,)), frozenset((wrap,))
+
+
+@entry("known_nonzero", "torch.fx.experimental.symbolic_shapes.statically_known_true (whether a "
+       "symbolic size is non-zero, decided without a guard on it)", at_import=False)
+def _statically_known_true():
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true
+
+
+def may_be_zero(n) -> bool:
+    """Whether a size may be 0: an int that is; a symbolic one not known statically to be
+    non-zero (an unbacked size out of ``nonzero()``, a boolean mask's selection). No guard is
+    put on the size: a data-dependent one is never asked for its value."""
+    if isinstance(n, int):
+        return n == 0
+    try:
+        known = _statically_known_true()
+    except (ImportError, AttributeError):  # no symbolic sizes on this torch: may be anything
+        return True
+    return not known(n != 0)
+
+
+@entry("fake_mode_of", "torch._subclasses.fake_tensor.FakeTensor and its .fake_mode (the "
+       "FakeTensorMode a dynamo example value belongs to)", at_import=False)
+def _fake_tensor():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
+
+
+def fake_mode_of(values):
+    """The FakeTensorMode of the first fake tensor among ``values``, or None."""
+    try:
+        fake = _fake_tensor()
+    except (ImportError, AttributeError):
+        return None
+    for v in values:
+        if isinstance(v, fake):
+            return v.fake_mode
+    return None
+
+
+@entry("data_dependent_errors", "torch._subclasses.fake_tensor.DataDependentOutputException and "
+       "torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode (a tracer asked for a "
+       "value known only at run time)", at_import=False)
+def _data_dependent_errors():
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return DataDependentOutputException, GuardOnDataDependentSymNode
+
+
+def data_dependent(err: BaseException) -> bool:
+    """Whether ``err`` (or what it was raised from) is a tracer's refusal to read a value known
+    only at run time (torch's own ``while_loop`` backward calls ``.item()``)."""
+    try:
+        kinds = _data_dependent_errors()
+    except (ImportError, AttributeError):
+        return False
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, kinds):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def _install() -> None:
     """Probe every entry once and apply the patches whose hooks exist."""
     for name, e in ENTRIES.items():

@@ -55,7 +55,7 @@ from ._compat import (
     view_base,
 )
 from ._constants import PowDomain, bounds, memo, pow_domain
-from ._rule import _has_empty
+from ._rule import empty_operand
 
 Tensor = torch.Tensor
 
@@ -188,7 +188,9 @@ class _Fence(torch.autograd.Function):
 
 class _FenceJvp(_Fence):
     """Eager: with forward mode (jacfwd, hessian). Dynamo refuses a custom ``jvp``, so a
-    traced region takes ``_Fence``."""
+    region dynamo traces (and an export) takes ``_Fence``; a graph the backend rewrote is
+    traced by aot_autograd, which runs the forward AD of ``torch.func.hessian`` inside it
+    with this jvp (``_dynamo_traced``)."""
 
     @staticmethod
     def jvp(ctx, tangent):  # the identity's tangent
@@ -217,6 +219,13 @@ class _FiniteJvp(_Finite):
     @staticmethod
     def jvp(ctx, tangent, _):
         return tangent
+
+
+def _dynamo_traced() -> bool:
+    """Whether dynamo (or export) traces this call: it refuses a Function with a custom
+    ``jvp``. Anything else (eager, and aot_autograd tracing the backend's rewritten graph,
+    where forward AD may run inside the graph) takes the Functions with their jvp."""
+    return torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting()
 
 
 # eager: the C apply (the Python wrapper binds each call's arguments with inspect.signature)
@@ -264,7 +273,7 @@ class Fences:
 
     def __call__(self, x):
         if isinstance(x, Tensor) and x.requires_grad and x.is_floating_point():
-            x, token = _Fence.apply(x) if torch.compiler.is_compiling() else _FENCE_EAGER(x)
+            x, token = _Fence.apply(x) if _dynamo_traced() else _FENCE_EAGER(x)
             self.tokens.append(token)
         return x
 
@@ -437,7 +446,7 @@ def finite(x, nan: Tensor | float | None = None):
     _count(lambda: _changed(x, nan))
     if not x.requires_grad:
         return _saturate(x, nan)
-    return _Finite.apply(x, nan) if torch.compiler.is_compiling() else _FINITE_EAGER(x, nan)
+    return _Finite.apply(x, nan) if _dynamo_traced() else _FINITE_EAGER(x, nan)
 
 
 def _changed(x: Tensor, nan) -> Tensor:
@@ -649,11 +658,19 @@ def _quotient(q: Tensor, zero, *operands) -> Tensor:
     return finite_by_position(q, *operands, always=True)
 
 
+def _symbolic(x) -> bool:
+    """A Python number known only at run time in a traced graph (``loss.sum().item()`` with
+    ``capture_scalar_outputs``): a test on it must be a tensor, never a branch."""
+    return isinstance(x, (torch.SymInt, torch.SymFloat))
+
+
 def div(fn, args, kwargs, consts, fence):
     (x, d), rest, kw = operands(args, kwargs, ("input", "other"))
     q = fn(fence(x), fence(d), *rest, **kw)
     if not q.is_floating_point():
         return q
+    if _symbolic(d):  # float64 holds a Python number exactly: a tiny divisor is no 0
+        d = torch.scalar_tensor(d, dtype=torch.float64, device=q.device)
     return _quotient(q, d == 0, x, d)
 
 
@@ -812,7 +829,7 @@ def finite_in_out(fn, args, kwargs, consts, fence):
     if not x.requires_grad:
         xs = _FiniteRows.forward(x, top)
     else:
-        xs = _FiniteRows.apply(x, top) if torch.compiler.is_compiling() else _FINITE_ROWS_EAGER(x, top)
+        xs = _FiniteRows.apply(x, top) if _dynamo_traced() else _FINITE_ROWS_EAGER(x, top)
     # a row's NaN is an operand's (every other row is finite now): NaN where its row holds one
     return finite(fn(xs, *rest, **kw), top.clamp(0, 0))
 
@@ -1159,14 +1176,33 @@ def mean_reduced(inner: Callable | None = None) -> Callable:
     None), so a loss over a non-empty selection keeps the original's bits and gradient."""
 
     def impl(fn, args, kwargs, consts, fence):
-        if _has_empty(args, kwargs):  # a dim of static size 0 (dynamo specialises 0 and 1)
+        empty = empty_operand(args, kwargs)
+        if empty:  # a dim of static size 0 (dynamo specialises 0 and 1)
             out = None if isinstance(fn, torch.nn.Module) else _reduced_over_none(fn, args, kwargs)
             return _of_none(fn, args, kwargs) if out is None else out
-        if inner is None:
-            return fn(*args, **kwargs)
-        return inner(fn, args, kwargs, consts, fence)
+        written = fn(*args, **kwargs) if inner is None else inner(fn, args, kwargs, consts, fence)
+        if empty is None and not isinstance(fn, torch.nn.Module):
+            return _maybe_over_none(fn, args, kwargs, written)
+        return written
 
     return impl
+
+
+def _maybe_over_none(fn, args, kwargs, written):
+    """A reduced loss over a selection whose size is known only at run time (an unbacked size
+    in a traced graph): no branch on it can be traced, so both are computed and the count
+    chooses, as a tensor: ``_reduced_over_none``'s sum where there is no element, the loss as
+    written (its bits) where there are some. The written loss's NaN over no element gets a
+    zero gradient from the ``where`` and is an empty gradient there."""
+    reduction, to = _reduction(fn, args, kwargs)
+    if reduction not in _REDUCED or not isinstance(written, Tensor):
+        return written
+    each_args, each_kwargs = to("none")
+    each = fn(*each_args, **each_kwargs)
+    if not isinstance(each, Tensor):
+        return written
+    none = torch.scalar_tensor(each.numel(), dtype=torch.float64, device=each.device) == 0
+    return torch.where(none, each.sum().to(written.dtype), written)
 
 
 def _check_key_padding_mask(mask: Tensor, src_len: int, bsz: int) -> None:

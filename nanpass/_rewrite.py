@@ -8,7 +8,10 @@ without a ``Change`` that says why.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import types
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -17,14 +20,16 @@ import torch.fx as fx
 
 from . import _stable
 from ._check import Site, check_input, checked, nonfinite_flag, tap
-from ._compat import no_dynamo_source
+from ._compat import autocast_targets, data_dependent, fake_mode_of, no_dynamo_source
 from ._config import Config
 from ._constants import memo
 from ._errors import RewriteError
+from . import _guards
 from ._guards import COUNTER, fenced, logits_loss
-from ._rules import BY_NAME, Rule, Spelling, match
+from ._rule import computes_in
+from ._rules import BY_NAME, CALLS, GUARDED, Rule, Spelling, match
 from ._source import input_name, module_path, user_frame
-from ._stats import Counter
+from ._stats import Counter, GuardWarning
 
 Tensor = torch.Tensor
 
@@ -204,7 +209,7 @@ def _check_graph(gm: fx.GraphModule, config: Config, record) -> None:
         rule, sp = hit
         where = _site(node, gm, rule, sp)
         with graph.inserting_before(node):
-            args = node.args
+            args = _operands(node, sp)
             if sp.kind == "module":
                 args = (graph.get_attr(str(node.target)), *args)
             new = graph.call_function(make_checker(rule, sp, where, warn), args, dict(node.kwargs))
@@ -255,15 +260,76 @@ def _flag_graph(gm: fx.GraphModule, record, sites: list) -> None:
 
 
 def _out_of_dtype(rule: Rule, node: fx.Node) -> bool:
-    """The rule's op is unsafe only in other dtypes (a float32 matmul)."""
-    return bool(rule.only_dtypes) and _operand_dtype(node) not in (None, *rule.only_dtypes)
+    """The rule's op is unsafe only in other dtypes (a float32 matmul), and this call does not
+    compute in one of them: no operand of such a dtype, and no autocast to one where it runs
+    (read from the thread's autocast state, which ``_autocast_state`` sets to the node's)."""
+    if not rule.only_dtypes or _operand_dtype(node) is None:
+        return False
+    return not computes_in((*node.args, *node.kwargs.values()), rule.only_dtypes, rule.autocast_float32)
+
+
+def _autocast_state(regions: tuple):
+    """The thread's autocast state as it is where a node runs: the state around the compiled
+    call (which the backend runs in) with each region of the graph around the node entered in
+    turn (``regions``: the arguments of ``torch.autocast`` as dynamo recorded them)."""
+    if not regions:
+        return contextlib.nullcontext()
+    return _entered_regions(regions)
+
+
+@contextlib.contextmanager
+def _entered_regions(regions: tuple):
+    saved = []
+    try:
+        for vals in regions:
+            device = vals[0]
+            dtype = vals[1] if len(vals) > 1 else None
+            enabled = vals[2] if len(vals) > 2 and vals[2] is not None else True
+            saved.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+            torch.set_autocast_enabled(device, bool(enabled))
+            if dtype is not None:
+                torch.set_autocast_dtype(device, dtype)
+        yield
+    finally:
+        for device, enabled, dtype in reversed(saved):
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+
+
+def _track_region(node: fx.Node, regions: list, bodies: dict) -> None:
+    """Follow the autocast regions of a dynamo graph (``_enter_autocast``/``_exit_autocast``
+    nodes around a region) and note the regions each higher-order op's body runs in (and the
+    region ``wrap_with_autocast`` itself opens for its body)."""
+    if node.op != "call_function":
+        return
+    enter, leave, wrap = autocast_targets()
+    target = node.target
+    if target in enter:
+        regions.append(tuple(node.args))
+        return
+    if target in leave:
+        if regions:
+            regions.pop()
+        return
+    inner = (tuple(node.args[:4]),) if target in wrap else ()
+    for a in node.args:
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            bodies[str(a.target)] = (*regions, *inner)
+
+
+def _operands(node: fx.Node, sp: Spelling) -> tuple:
+    """The node's positional operands in the op's own order: a reflected dunder written out
+    (``x.__rtruediv__(2.0)``, 2 / x) holds its right operand first."""
+    if sp.reflected and len(node.args) >= 2:
+        return (node.args[1], node.args[0], *node.args[2:])
+    return node.args
 
 
 def _statically_safe(rule: Rule, sp: Spelling, node: fx.Node) -> str | None:
     """Why this call is safe from its arguments alone (``Rule.safe_if``: x ** 3 in float32)."""
     if sp.kind == "module" or rule.safe_if is None:
         return None
-    return rule.safe_if(node.args, node.kwargs)
+    return rule.safe_if(_operands(node, sp), node.kwargs)
 
 
 def _tap_operands(graph: fx.Graph, node: fx.Node, sp: Spelling, probe: fx.Node | None):
@@ -286,6 +352,22 @@ def _tap_operands(graph: fx.Graph, node: fx.Node, sp: Spelling, probe: fx.Node |
             box[key] = graph.call_function(tap, (a, probe))
     node.args, node.kwargs = tuple(args), kwargs
     return probe
+
+
+def eagerly(gm: fx.GraphModule, inner: str, err: Exception):
+    """The rewritten graph run as it is, where the inner compiler cannot trace it because
+    torch's own code in it reads a value known only at run time (the backward of
+    ``torch._higher_order_ops.while_loop`` calls ``.item()`` when an input requires grad):
+    dynamo would graph-break there and run the region eagerly without its guards; here it
+    runs eagerly with them, and says so. Any other failure is raised as it came."""
+    if not data_dependent(err):
+        raise err
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    warnings.warn(
+        f"nanpass: the inner compiler {inner!r} cannot trace this graph ({type(err).__name__}"
+        f"{': ' + first[:120] if first else ''}); it runs eagerly, with its guards",
+        GuardWarning, stacklevel=2)
+    return gm.forward
 
 
 def untap(gm: fx.GraphModule) -> None:
@@ -328,9 +410,10 @@ def _static_non_float(node: fx.Node) -> str | None:
 
 
 def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
-            sites: list | None = None) -> list[Change]:
+            sites: list | None = None, autocast: tuple = ()) -> list[Change]:
     """Rewrite ``gm`` in place; return one Change per op looked at. With ``config.count``,
-    each guard gets a Counter, appended to ``counters``."""
+    each guard gets a Counter, appended to ``counters``. ``autocast``: the autocast regions
+    ``gm`` runs in (a higher-order op's body inside one)."""
     changes: list[Change] = []
     if config.mode == "off":
         return changes
@@ -376,29 +459,23 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
         _stable.apply(gm, gm, record_stable)
 
     graph = gm.graph
+    regions: list = list(autocast)
+    bodies: dict = {}  # a higher-order op's body -> the autocast regions it runs in
     for node in list(graph.nodes):
+        _track_region(node, regions, bodies)
         hit = match(node, gm)
         if hit is None:
+            if _opaque_function(node) and not config.excluded(module_path(node)[0]):
+                _guard_opaque(gm, node, config, record)
             continue
         rule, sp = hit
-        if _out_of_dtype(rule, node):
-            continue  # not unsafe in this dtype: not looked at (as under harden)
-        if not rule.guarded:
-            if rule.safe:
-                record(node, node.name, rule.name, sp.name, "left", "", rule.reason)
-            continue
-        path, _ = module_path(node)
-        why = None
-        if rule.name not in config.ops:
-            why = "op excluded by config"
-        elif config.excluded(path):
-            why = f"module {path!r} excluded by config"
-        else:
-            why = _statically_safe(rule, sp, node)
-        if why is None:
-            why = _static_non_float(node)
+        with _autocast_state(tuple(regions)):
+            why = _decide(rule, sp, node, config)
+        if why is _NOT_LOOKED_AT:
+            continue  # not unsafe in the dtype it computes in: not looked at (as under harden)
         if why is not None:
-            record(node, node.name, rule.name, sp.name, "left", "", why)
+            if why:
+                record(node, node.name, rule.name, sp.name, "left", "", why)
             continue
         guard = make_guard(rule, sp, config.consts(rule.name) if rule.constants else None)
         counter = None
@@ -408,7 +485,7 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
         original = node.name
         try:
             with graph.inserting_before(node):
-                args = node.args
+                args = _operands(node, sp)
                 if sp.kind == "module":
                     args = (graph.get_attr(str(node.target)), *args)
                 new = graph.call_function(guard, args, dict(node.kwargs))
@@ -429,10 +506,122 @@ def rewrite(gm: fx.GraphModule, config: Config, counters: list | None = None,
     gm.recompile()
     # the bodies of higher-order ops (a checkpointed region, a wrap, cond branches) are graphs
     # of their own: their unsafe ops are the model's too
-    for _, body in gm.named_children():
+    for name, body in gm.named_children():
         if isinstance(body, fx.GraphModule):
-            changes.extend(rewrite(body, config, counters, sites))
+            changes.extend(rewrite(body, config, counters, sites, bodies.get(name, tuple(autocast))))
     return changes
+
+
+_NOT_LOOKED_AT = object()
+
+
+def _opaque_function(node: fx.Node) -> bool:
+    """A call of a Python function dynamo put into the graph whole, its body untraced
+    (``torch._dynamo.allow_in_graph(fn)``, as einops does): a function of the user's or a
+    library's, not torch's own (which dynamo keeps whole on purpose: F.layer_norm) or nanpass's."""
+    fn = node.target
+    if node.op != "call_function" or not isinstance(fn, types.FunctionType):
+        return False
+    module = getattr(fn, "__module__", None) or ""
+    return not (module == "torch" or module.startswith(("torch.", "nanpass")))
+
+
+def _as_written(fn, args, kwargs, consts, fence):
+    return fn(*args, **kwargs)
+
+
+def _within_guards(fn, config: Config):
+    """``fn`` run with each call it makes that the rule table names guarded (default
+    constants; the ops ``config`` excludes as written): the calls of a function dynamo keeps
+    whole are the model's too. Traced by the inner compiler, the guards go into its graph."""
+    mode = _guards._GUARDED_CALLS[0]
+    excluded = {name: _as_written for name in GUARDED if name not in config.ops}
+
+    def guarded(*args, **kwargs):
+        with mode(excluded):
+            return fn(*args, **kwargs)
+
+    guarded.__name__ = guarded.__qualname__ = f"guarded_{getattr(fn, '__name__', 'call')}"
+    guarded.__module__ = "nanpass"
+    guarded.__wrapped__ = fn
+    return guarded
+
+
+class _Calls(torch.overrides.TorchFunctionMode):
+    """The rule table's calls a function makes, in order (run once on dynamo's fake values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hits: list = []
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        try:
+            hit = CALLS.get(func)
+        except TypeError:
+            hit = None
+        if hit is not None and hit[0].guarded and hit not in self.hits:
+            self.hits.append(hit)
+        return func(*args, **(kwargs or {}))
+
+
+def _calls_of(node: fx.Node) -> list | None:
+    """The rule table's calls ``node``'s function makes on its example values (fake tensors,
+    nothing computed), or None where they cannot be run."""
+    def value(n):
+        return n.meta.get("example_value", n.meta.get("val"))
+
+    args = fx.node.map_arg(node.args, value)
+    kwargs = fx.node.map_arg(node.kwargs, value)
+    found: list = []
+    fx.node.map_aggregate((args, kwargs), lambda a: found.append(a) or a)
+    fake = fake_mode_of(found)
+    if fake is None:
+        return None
+    survey = _Calls()
+    try:
+        with fake, survey, torch.no_grad():
+            node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - its calls stay guarded; only the report is unknown
+        return None
+    return survey.hits
+
+
+def _guard_opaque(gm: fx.GraphModule, node: fx.Node, config: Config, record) -> None:
+    """Run an opaque function's calls under the guards, and report each unsafe op it makes
+    (a ``Change`` at the line that calls it); where they cannot be listed, a GuardWarning."""
+    fn = node.target
+    hits = _calls_of(node)
+    node.target = _within_guards(fn, config)
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    if hits is None:
+        frame = user_frame(node.meta.get("stack_trace"))
+        warnings.warn(
+            f"nanpass: {name} runs whole in the graph (torch._dynamo.allow_in_graph)"
+            f"{' at ' + frame[0] if frame else ''}: its calls are guarded with default constants, "
+            "and the report cannot list them", GuardWarning, stacklevel=2)
+        return
+    for rule, sp, _ in hits:
+        if rule.name in config.ops:
+            record(node, node.name, rule.name, f"{sp.name} in {name}", "guarded",
+                   rule.action + " (default constants, inside a function dynamo keeps whole)",
+                   rule.reason)
+
+
+def _decide(rule: Rule, sp: Spelling, node: fx.Node, config: Config):
+    """Why a node the table names is left as written (``""``: left and not reported; the
+    sentinel ``_NOT_LOOKED_AT``: not unsafe in the dtype it computes in, not looked at, as
+    under harden), or None: guard it. Read under the autocast state where the node runs."""
+    if _out_of_dtype(rule, node):
+        return _NOT_LOOKED_AT
+    if not rule.guarded:
+        return rule.reason if rule.safe else ""
+    path, _ = module_path(node)
+    if rule.name not in config.ops:
+        return "op excluded by config"
+    if config.excluded(path):
+        return f"module {path!r} excluded by config"
+    why = _statically_safe(rule, sp, node)
+    return why if why is not None else _static_non_float(node)
 
 
 @dataclass(frozen=True)

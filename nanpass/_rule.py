@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._compat import removed_op
+from ._compat import may_be_zero, removed_op
 from ._constants import Bounds
 
 Tensor = torch.Tensor
@@ -35,6 +35,9 @@ class Spelling(NamedTuple):
     target: object  # the fx node target: a callable, a method name, or a module class
     call: Callable | None  # the op as written (None for modules: the instance is the callable)
     outplace: Callable | None = None  # for in-place spellings: the out-of-place op to guard
+    # a reflected dunder written as a method call (``x.__rtruediv__(2.0)`` is 2 / x): its node
+    # holds the right operand first, and ``call`` takes the operands in the op's own order
+    reflected: bool = False
 
     @property
     def inplace(self) -> bool:
@@ -127,6 +130,9 @@ class Rule:
     functions: tuple[str, ...] | None = None  # None: derived from the name
     operators: tuple[str, ...] = ()  # in-place operator spellings go in inplace_operators
     inplace_operators: tuple[tuple[str, str], ...] = ()  # (in-place, out-of-place)
+    # other names of the operators' Tensor dunders, (alias, the dunder it stands for): Python 2's
+    # ``__div__``, ``__rdiv__``, ``__idiv__``, which Tensor still has and a user can call
+    dunder_aliases: tuple[tuple[str, str], ...] = ()
     methods: tuple[str, ...] | None = None  # None: Tensor.<name> where it exists
     inplace: bool | None = None  # derive "name_" in-place methods (None: where torch has them)
     modules: tuple[str, ...] = ()
@@ -260,16 +266,31 @@ def _nonempty_mean(args, kwargs):
     return None
 
 
-def _has_empty(args, kwargs) -> bool:
-    """A floating operand with a dim of (static) size 0; a symbolic size is not 0 (dynamo
-    specialises 0 and 1): nothing here makes dynamo guard on a size."""
+def empty_operand(args, kwargs) -> bool | None:
+    """Whether a floating operand has no element: True where one has a dim of size 0, None
+    where one may have (a symbolic size not known statically to be non-zero: an unbacked size
+    out of ``nonzero()`` or a boolean mask, known only at run time), False where none has.
+    Nothing here puts a guard on a size: a backed symbolic size is known non-zero (dynamo
+    specialises 0 and 1), and a data-dependent one is never asked for its value. Under
+    dynamo's own trace (a hardened model compiled) a symbolic size is read as non-zero, as it
+    always was: dynamo traces this function, and the backend's rewrite handles its graphs."""
+    maybe = False
+    tracing = torch.compiler.is_dynamo_compiling()
     for a in (*args, *kwargs.values()):
         v = _value(a)
         if v is not None and v.is_floating_point():
             for n in v.shape:
-                if isinstance(n, int) and n == 0:
-                    return True
-    return False
+                if isinstance(n, int):
+                    if n == 0:
+                        return True
+                elif not tracing and may_be_zero(n):
+                    maybe = True
+    return None if maybe else False
+
+
+def _has_empty(args, kwargs) -> bool:
+    """A floating operand with no element, or one that may have none (``empty_operand``)."""
+    return empty_operand(args, kwargs) is not False
 
 
 def computes_in(args, dtypes: tuple[torch.dtype, ...], autocast_float32: bool) -> bool:

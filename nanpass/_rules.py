@@ -72,6 +72,7 @@ RULES: tuple[Rule, ...] = (
         functions=("torch.div", "torch.divide", "torch.true_divide"),
         operators=("operator.truediv",),
         inplace_operators=(("operator.itruediv", "operator.truediv"),),
+        dunder_aliases=(("__div__", "__truediv__"), ("__rdiv__", "__rtruediv__"), ("__idiv__", "__itruediv__")),
         methods=("div", "divide", "true_divide"), inplace=True,
         safe_if=_divisor_safe,
         sample=Sample(operands(tensor(1.0, 0.0, 2.0), tensor(0.0, 0.0, 1.0)), operands(tensor(1.0, -3.0, 2.0), tensor(0.5, 2.0, -4.0))),
@@ -955,9 +956,11 @@ def _index() -> tuple[dict, dict]:
                 continue
             op = "call_method" if sp.kind == "method" else "call_function"
             by_target.setdefault((op, sp.target), (rule, sp))
+        aliases = {alias for alias, _ in rule.dunder_aliases}
         for attr, _, sp, swapped in _operator_calls(rule):  # dynamo writes x.__itruediv__(y)
-            if not swapped:
-                by_target.setdefault(("call_method", attr), (rule, sp))
+            if swapped or attr in aliases:  # written out by the user: x.__rtruediv__(2.0)
+                sp = sp._replace(name=f"Tensor.{attr}", reflected=swapped)
+            by_target.setdefault(("call_method", attr), (rule, sp))
     return by_target, by_module
 
 
@@ -997,18 +1000,26 @@ def _reflected(dunder: Callable) -> Callable:
 def _operator_calls(rule: Rule) -> Iterator[tuple[str, object, Spelling, bool]]:
     """Python operators as a TorchFunctionMode sees them: ``x / y`` arrives as a dunder
     (``Tensor.__truediv__``, or ``Tensor.__rtruediv__`` for ``2 / x``, operands swapped)."""
+    named = {}
     for name in rule.operators:
         op = _resolve(name)
         dunder = op.__name__.strip("_")
         for attr, swapped in ((f"__{dunder}__", False), (f"__r{dunder}__", True)):
             fn = getattr(Tensor, attr, None)
             if fn is not None:
+                named[attr] = (name, None, swapped)
                 yield attr, fn, Spelling("operator", name, fn, _reflected(fn) if swapped else fn), swapped
     for ip, op in rule.inplace_operators:
         attr = f"__{_resolve(ip).__name__.strip('_')}__"
         fn = getattr(Tensor, attr, None)
         if fn is not None:
+            named[attr] = (ip, _resolve(op), False)
             yield attr, fn, Spelling("operator", ip, fn, fn, _resolve(op)), False
+    for alias, of in rule.dunder_aliases:  # the same operator under another dunder name
+        fn = getattr(Tensor, alias, None)
+        if fn is not None and of in named:
+            name, outplace, swapped = named[of]
+            yield alias, fn, Spelling("operator", name, fn, _reflected(fn) if swapped else fn, outplace), swapped
 
 
 def _call_index() -> dict:
