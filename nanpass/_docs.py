@@ -171,11 +171,13 @@ def guards_markdown() -> str:
                        "check mode names it ([why](#in-backward-a-float16-products-own-overflow-stays)).")
         if r.sample is not None and not r.sample.dynamo:
             out.append("- **Under `torch.compile`:** dynamo graph-breaks on this op, so it runs outside "
-                       "any graph, eagerly and unguarded; `nanpass.harden` guards it.")
+                       "any graph, eagerly: `backend=\"nanpass\"` guards it there as it guards every "
+                       "call dynamo leaves to eager (docs/deploy.md); `nanpass.harden` guards it.")
         elif r.sample is not None and r.sample.breaks:
             names = ", ".join(f"`{n}`" for n in r.sample.breaks)
             out.append(f"- **Under `torch.compile`:** dynamo graph-breaks on {names}, so it runs outside "
-                       "any graph, eagerly and unguarded; `nanpass.harden` guards it.")
+                       "any graph, eagerly: `backend=\"nanpass\"` guards it there as it guards every "
+                       "call dynamo leaves to eager (docs/deploy.md); `nanpass.harden` guards it.")
         if r.sample is not None and r.sample.inlined:
             names = ", ".join(f"`{n}`" for n in r.sample.inlined)
             out.append(f"- **Under `torch.compile`:** dynamo traces into {names}; the ops inside meet "

@@ -117,6 +117,12 @@ def _stand_in(orig, ns, name):
 _INSTALLED: list = []
 
 
+def stand_in(orig):
+    """What code that names ``orig`` finds after ``import nanpass``: its stand-in, or itself."""
+    new = _STAND_INS.get(id(orig))
+    return new if new is not None and new.__wrapped__ is orig else orig
+
+
 def install() -> None:
     """The stand-ins, once a process: each of the table's names in torch's namespaces, and
     each module global bound to one of torch's callables before now (``from torch import log``

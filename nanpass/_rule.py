@@ -87,7 +87,7 @@ class Sample:
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     second_order: bool = True  # False where torch itself has no double backward (ctc_loss)
     # False where dynamo graph-breaks on the op: under torch.compile it runs outside any graph,
-    # eagerly and unguarded (nanpass.harden guards it)
+    # eagerly (the backend guards it there as every eager call; nanpass.harden guards it)
     dynamo: bool = True
     # spellings written in Python whose body dynamo traces through: under torch.compile the
     # ops inside meet their own rules (nanpass.harden guards the call as one)

@@ -195,3 +195,19 @@ def test_the_report_of_a_compiled_hardened_model_lists_the_guards_it_put_in_a_bo
     guarded = [c for c in nanpass.report(hardened).changes if c.action == "guarded"]
     assert [c.op for c in guarded] == ["softmax"]
     assert guarded[0].source.endswith(f"test_compile_routes.py:{_Checkpointed.block.__code__.co_firstlineno + 1}")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_eval_attention_compiles_fullgraph_under_the_backend_and_a_fully_padded_row_is_finite(grad):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 3, 8)
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    pad[0] = True  # a sequence with no real key
+    with torch.set_grad_enabled(grad):
+        assert not all_finite([mha(x, x, x, key_padding_mask=pad)[0]])
+        torch._dynamo.reset()
+        be = nanpass.backend(inner="aot_eager")
+        out = torch.compile(mha, backend=be, fullgraph=True)(x, x, x, key_padding_mask=pad)[0]
+    assert all_finite([out])
+    assert any(c.action == "guarded" for g in be.graphs for c in g.changes)
