@@ -484,14 +484,16 @@ def _hit_index(func) -> int:
 
 
 class CallsGuarded(TorchFunctionMode):
-    """Each call the rule table names, to its guard (default constants; no site, no report):
+    """Each call the rule table names, to its guard (default constants unless given a config;
+    no site, no report):
     what a guard of a torch composite written in Python runs that composite's own code under,
     so the calls inside it are guarded as the user's would be (float16 attention scores
     inside F.multi_head_attention_forward). Its one site is the composite's."""
 
-    def __init__(self, guards: dict[str, Callable] | None = None):
+    def __init__(self, guards: dict[str, Callable] | None = None, config: Config | None = None):
         super().__init__()
         self.guards = guards or {}  # rule name -> the guard this composite's calls take instead
+        self.config = config or _DEFAULTS  # (a backend's, for a function dynamo keeps whole)
 
     @_compat.eager_handler
     def __torch_function__(self, func, types_, args=(), kwargs=None):
@@ -505,7 +507,7 @@ class CallsGuarded(TorchFunctionMode):
         if (rule.only_dtypes and not _in_dtypes(rule, args)) or _left_as_written(rule, args, kwargs):
             return sp.call(*args, **kwargs)
         guarded = rule  # noqa: F841 - certify reads it, as it reads _run_for's decision
-        return _fresh_guard(rule, sp, _DEFAULTS, self.guards.get(rule.name))(*args, **kwargs)
+        return _fresh_guard(rule, sp, self.config, self.guards.get(rule.name))(*args, **kwargs)
 
 
 _DEFAULTS = Config()

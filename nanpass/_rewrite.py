@@ -531,14 +531,14 @@ def _as_written(fn, args, kwargs, consts, fence):
 
 
 def _within_guards(fn, config: Config):
-    """``fn`` run with each call it makes that the rule table names guarded (default
-    constants; the ops ``config`` excludes as written): the calls of a function dynamo keeps
-    whole are the model's too. Traced by the inner compiler, the guards go into its graph."""
+    """``fn`` run with each call it makes that the rule table names guarded (``config``'s
+    constants; the ops it excludes as written): the calls of a function dynamo keeps whole are
+    the model's too. Traced by the inner compiler, the guards go into its graph."""
     mode = _guards._GUARDED_CALLS[0]
     excluded = {name: _as_written for name in GUARDED if name not in config.ops}
 
     def guarded(*args, **kwargs):
-        with mode(excluded):
+        with mode(excluded, config):
             return fn(*args, **kwargs)
 
     guarded.__name__ = guarded.__qualname__ = f"guarded_{getattr(fn, '__name__', 'call')}"
@@ -597,13 +597,13 @@ def _guard_opaque(gm: fx.GraphModule, node: fx.Node, config: Config, record) -> 
         frame = user_frame(node.meta.get("stack_trace"))
         warnings.warn(
             f"nanpass: {name} runs whole in the graph (torch._dynamo.allow_in_graph)"
-            f"{' at ' + frame[0] if frame else ''}: its calls are guarded with default constants, "
-            "and the report cannot list them", GuardWarning, stacklevel=2)
+            f"{' at ' + frame[0] if frame else ''}: its calls are guarded, and the report cannot "
+            "list them", GuardWarning, stacklevel=2)
         return
     for rule, sp, _ in hits:
         if rule.name in config.ops:
             record(node, node.name, rule.name, f"{sp.name} in {name}", "guarded",
-                   rule.action + " (default constants, inside a function dynamo keeps whole)",
+                   rule.action + " (inside a function dynamo keeps whole)",
                    rule.reason)
 
 

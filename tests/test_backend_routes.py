@@ -225,3 +225,24 @@ def test_a_hessian_inside_a_compiled_function_runs_guarded():
     h0 = torch.compile(f, backend=be)(torch.tensor([0.0, 2.0]))
     assert all_finite(h0)
     assert "guarded" in _actions(be, "log")
+
+
+def _allowed_exp(x):
+    return torch.exp(x)
+
+
+def test_an_allowed_function_s_calls_take_the_backends_constants():
+    torch._dynamo.allow_in_graph(_allowed_exp)
+    constants = {"exp": {"hi": 2.0}}  # past 2, exp's guard gives its stand-in for inf
+    x = torch.tensor([1.0, 50.0])  # exp(50) is finite in float32
+    default = torch.compile(lambda x: _allowed_exp(x) * 1, backend=_backend())(x)
+    torch._dynamo.reset()
+    be = nanpass.backend(inner="aot_eager", constants=constants)
+    out = torch.compile(lambda x: _allowed_exp(x) * 1, backend=be)(x)
+
+    class Exp(torch.nn.Module):
+        def forward(self, x):
+            return torch.exp(x)
+
+    assert torch.equal(out, nanpass.harden(Exp(), constants=constants)(x))
+    assert not torch.equal(out, default)
