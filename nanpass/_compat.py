@@ -43,6 +43,8 @@ hardened call is running.
 - ``removed_ops``: torch keeps a raising stub for each op it removed (``torch.qr``,
   ``torch.cholesky`` since 2.14): a spelling bound to one is no spelling.
 - ``function_mode_stack``: the active TorchFunctionModes, innermost last.
+- ``dynamo_compile``: dynamo compiles a frame with the stand-ins paused (torch 2.11 traced a
+  stand-in's body inside eager ``torch.cond``'s branches and guarded on a hardened call's sites).
 - ``tracing_context`` / ``higher_order_op``: a hardened call traced by dynamo notes its frame,
   so that the bodies of the frame graph's higher-order ops (traced with the mode popped) get
   the backend's rewrite before a compiler sees them (``_bodies``).
@@ -160,7 +162,7 @@ def _warn_untested() -> None:
 
 # what the layer above registers (``on_guarded_call``): this module imports nothing of nanpass
 # but its errors
-_HOOKS: dict = {"bind": None, "guarding": None, "bodies": None}
+_HOOKS: dict = {"bind": None, "guarding": None, "bodies": None, "pause": None, "resume": None}
 # C functions a TorchFunctionMode sees in eager that dynamo would not offer to a traced mode
 _OFFERED: set = set()
 
@@ -298,6 +300,42 @@ def traced_with(note: int):
     traced.note = note
     setattr(traced, _CONSTANT_MARK, True)
     return traced
+
+
+@entry("dynamo_compile", "torch._dynamo.convert_frame._compile (dynamo's compile of one frame, "
+       "looked up by name when a frame is converted)", at_import=False)
+def _dynamo_compile():
+    from torch._dynamo import convert_frame
+
+    return convert_frame, convert_frame._compile
+
+
+def _patch_dynamo_compile(module) -> None:
+    """Dynamo compiles a frame with the stand-ins off (``_HOOKS["pause"]``): what it traces is
+    torch's own function either way (a polyfill per stand-in), but torch 2.11 traces a
+    stand-in's body inside a higher-order op (eager ``torch.cond`` compiles its branches) and
+    guarded on the hardened call's sites it read there."""
+    try:
+        _, original = _dynamo_compile()
+    except (ImportError, AttributeError) as err:
+        MISSING["dynamo_compile"] = f"{type(err).__name__}: {err}"
+        return
+    if getattr(original, "_nanpass_patched", False):
+        return
+
+    @functools.wraps(original)
+    def _compile(*args, **kwargs):
+        pause = _HOOKS["pause"]
+        if pause is None:
+            return original(*args, **kwargs)
+        prev = pause()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _HOOKS["resume"](prev)
+
+    _compile._nanpass_patched = True
+    module._compile = _compile
 
 
 def _bind_active(fn):
@@ -1229,6 +1267,7 @@ def _install() -> None:
     if "compile_context" not in MISSING:
         _patch_compile_wrapper()
     _after_import("torch._dynamo.output_graph", _patch_graph_calls_if_present)
+    _after_import("torch._dynamo.convert_frame", _patch_dynamo_compile)
     if "eager_handler" in MISSING:
         warnings.warn(
             f"nanpass: torch {torch.__version__} lacks {ENTRIES['eager_handler'].needs}: where "

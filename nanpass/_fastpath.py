@@ -206,6 +206,9 @@ def resume(prev) -> None:
     _local.sites = prev
 
 
+_compat._HOOKS["pause"], _compat._HOOKS["resume"] = paused, resume
+
+
 # -- what the model's code binds ------------------------------------------------------------
 def _ours(module_name: str | None) -> bool:
     return bool(module_name) and (module_name == "torch" or module_name.startswith(("torch.", "nanpass.")))
