@@ -106,10 +106,37 @@ def _finite(t: Tensor) -> bool:
     return math.isfinite(s.item()) or bool(torch.isfinite(t).all())
 
 
+# the dtypes a check reduces (float8's have no reduction: not watched, counted)
+_READ = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_STRIDED = torch.strided
+
+
 def readable(t) -> bool:
     """A dense floating tensor whose values can be read here (a subclass such as a DTensor
-    or a FakeTensor is checked by the ops it runs, not read as a whole)."""
-    return (type(t) is Tensor or type(t) is torch.nn.Parameter) and t.is_floating_point() and t.numel() > 0
+    or a FakeTensor is checked by the ops it runs, not read as a whole; a meta, sparse or
+    float8 tensor has nothing a check can reduce: ``unwatched`` says which)."""
+    return ((type(t) is Tensor or type(t) is torch.nn.Parameter) and t.dtype in _READ
+            and t.layout is _STRIDED and not t.is_meta and t.numel() > 0)
+
+
+def unwatched(t) -> str | None:
+    """Why a floating result a check cannot reduce is not watched (None: a tensor the check
+    does not look at by design: an integer, an empty one, a subclass that runs its own ops)."""
+    if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
+        return None
+    if t.is_nested:
+        return "nested tensors"
+    if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+        return None
+    if t.is_meta:
+        return "meta tensors (no values)"
+    if t.layout is not _STRIDED:
+        return f"{str(t.layout).removeprefix('torch.')} tensors"
+    if t.is_complex():
+        return None
+    if t.dtype not in _READ:
+        return f"{str(t.dtype).removeprefix('torch.')} tensors"
+    return None
 
 
 def _tensors(xs, out: list) -> list:
@@ -207,6 +234,11 @@ class Watch:
         self.quiet: set = set()
         self.born = 0  # infinities made on purpose seen (a run again that saw none, saw nothing)
         self.compiled_pending: collections.deque = collections.deque()
+        self.unwatched: dict[str, int] = {}  # results a check cannot reduce, by kind
+
+    def unwatched_summary(self) -> str:
+        kinds = ", ".join(f"{n} result{'s' if n != 1 else ''} of {why}" for why, n in self.unwatched.items())
+        return f"nanpass: not watched (a check cannot reduce them): {kinds}"
 
     def collecting(self) -> bool:
         """A hardened forward's verdicts are being collected on the device in this thread
@@ -301,7 +333,12 @@ class Watch:
             if grad and o.grad_fn is not None and _KEY not in o.grad_fn.metadata:
                 made = made or self._made(func, hit)
                 self._hook(o, args, kwargs, made)
-            if not readable(o) or (o is not first and is_view(o) and _view_of_operand(o, args, kwargs)):
+            if not readable(o):
+                why = unwatched(o)
+                if why is not None:  # (said once, at the end: what was not watched)
+                    self.unwatched[why] = self.unwatched.get(why, 0) + 1
+                continue
+            if o is not first and is_view(o) and _view_of_operand(o, args, kwargs):
                 continue  # a view of an operand makes no new value
             if new is not None:
                 new.append(o)
