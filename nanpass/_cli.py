@@ -262,8 +262,6 @@ def run_script(mode: str, report: str | None, script: str, script_args: list[str
     as typed), and its own exit status and message. Every finding is named whatever ends the
     run: the script returning, ``sys.exit``, ``os._exit``, or an exception from the script
     (the finding first, then the script's own traceback); status 1 when there is one."""
-    import runpy
-
     if not os.path.isfile(script):
         print(f"nanpass: no such script: {script}", file=sys.stderr)
         return 2
@@ -296,7 +294,7 @@ def run_script(mode: str, report: str | None, script: str, script_args: list[str
     failure: BaseException | None = None
     code: int = 0
     try:
-        runpy.run_path(path, run_name="__main__")
+        _run_main(path)
     except SystemExit as e:
         code = _exit_status(e.code)
     except NonFiniteError as e:  # a finding, read at a backward or an optimizer step
@@ -304,7 +302,7 @@ def run_script(mode: str, report: str | None, script: str, script_args: list[str
     except BaseException as e:  # noqa: BLE001 - the script's own error: reported after the finding
         failure = e
     try:
-        on.disable()  # the verdicts still on the device, read before the run ends
+        on.disable(failing=failure is not None)  # the verdicts still on the device
     except NonFiniteError as e:
         finding = finding or e
     if finding is not None:
@@ -315,6 +313,28 @@ def run_script(mode: str, report: str | None, script: str, script_args: list[str
         _print_script_traceback(failure, path)
         return 1
     return 1 if finding is not None else code
+
+
+def _run_main(path: str) -> None:
+    """Run the file at ``path`` as ``__main__``, as ``python path`` does (runpy would set
+    ``sys.argv[0]`` to the path it is given, and ``__file__`` relative with it)."""
+    import importlib.machinery
+    import io
+    import types
+
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__cached__ = None
+    old = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)  # noqa: S102 - the user's script, as python runs it
+    finally:
+        if old is not None:
+            sys.modules["__main__"] = old
 
 
 def _exit_status(code) -> int:
@@ -329,14 +349,24 @@ def _exit_status(code) -> int:
 
 
 def _print_script_traceback(exc: BaseException, path: str) -> None:
-    """The script's traceback as python prints it: from the script's own frame (not runpy's
-    or nanpass's)."""
-    tb = exc.__traceback__
-    t = tb
-    while t is not None and t.tb_frame.f_code.co_filename != path:
-        t = t.tb_next
+    """The script's traceback as python prints it: from the script's own frame, without
+    runpy's or nanpass's (a call nanpass watched raises through its handler)."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    seen = set()
+    todo = [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        frames = list(t.stack)
+        first = next((i for i, f in enumerate(frames) if f.filename == path), 0)
+        t.stack = traceback.StackSummary.from_list(
+            [f for f in frames[first:] if not f.filename.startswith(here)])
+        todo.extend(x for x in (t.__cause__, t.__context__) if x is not None)
     sys.stderr.flush()
-    traceback.print_exception(type(exc), exc, t if t is not None else tb)
+    print("".join(te.format()), end="", file=sys.stderr)
 
 
 def _split_run(argv: list[str]) -> tuple[list[str], list[str]] | None:

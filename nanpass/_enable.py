@@ -132,23 +132,26 @@ class Enabled:
         self._on = True
         return self
 
-    def disable(self) -> None:
+    def disable(self, failing: bool = False) -> None:
         """Switch nanpass off, after reading the verdicts still on the device (a NaN made
-        since the last optimizer step or backward is reported here)."""
+        since the last optimizer step or backward is reported here). ``failing``: the program
+        is raising (``flush``)."""
         if not self._on:
             return
         try:
-            self.flush()
+            self.flush(failing)
         finally:
             self._off()
 
-    def flush(self) -> None:
+    def flush(self, failing: bool = False) -> None:
         """Read the verdicts still on the device now: report a NaN/Inf made since the last
-        optimizer step or backward (check and warn modes; nothing to do in the others)."""
+        optimizer step or backward (check and warn modes; nothing to do in the others).
+        ``failing``: the program is raising: an infinity made on purpose (a pole, a constant)
+        that went on through later calls instead of dying is named too."""
         if self._watch is not None and self._watch.program:
             self._mode.paused += 1  # (its own reads are not the program's calls)
             try:
-                self._watch.flush()
+                self._watch.flush(failing=failing)
             finally:
                 self._mode.paused -= 1
 
@@ -192,7 +195,7 @@ class Enabled:
         # already failing: the verdicts still on the device are read first, and a NaN/Inf they
         # hold is said before the program's own error surfaces (which then propagates as is)
         try:
-            self.disable()
+            self.disable(failing=True)
         except NonFiniteError as e:
             print(f"{e}\nnanpass: the program then raised {exc[0].__name__} (below)", file=sys.stderr)
 
