@@ -220,28 +220,36 @@ class Enabled:
         self._saved["exit"](status)
 
     def _showwarning(self, message, category, filename, lineno, file=None, line=None):
-        """A warning torch raises inside a call nanpass watches is attributed (by the stack
-        level torch gives) to nanpass's frame: it is warned again at the frame python would
-        have named without nanpass in between, under the filters of that frame's module."""
-        prev = self._saved["showwarning"]
+        """A warning torch raises inside a call nanpass watches is attributed, by the stack
+        level torch gives, to a frame of nanpass's detour (its handler, and torch's own
+        ``handle_torch_function`` and the function's first entry that led there): it is
+        warned again at the frame python would have named without the detour, under the
+        filters of that frame's module."""
         f = sys._getframe(1)
-        if filename.startswith(_HERE):
-            while f is not None and not (f.f_code.co_filename == filename and f.f_lineno == lineno):
-                f = f.f_back
-            if f is not None:
-                registry = f.f_globals.get("__warningregistry__")
-                while f is not None and f.f_code.co_filename.startswith(_HERE):
-                    f = f.f_back
-                if f is not None:
-                    if isinstance(registry, dict):  # (nanpass's line must not hide the next one)
-                        registry.clear()
-                    g = f.f_globals
-                    warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno,
-                                           module=g.get("__name__"),
-                                           registry=g.setdefault("__warningregistry__", {}),
-                                           module_globals=g)
-                    return
-        prev(message, category, filename, lineno, file, line)
+        while f is not None and f.f_globals.get("__name__") == "warnings":
+            f = f.f_back
+        frames = []
+        while f is not None:
+            frames.append(f)
+            f = f.f_back
+        at = next((i for i, f in enumerate(frames)
+                   if f.f_code.co_filename == filename and f.f_lineno == lineno), None)
+        detour = _detour(frames) if at is not None else set()
+        if at is None or not any(i in detour for i in range(at + 1)):
+            self._saved["showwarning"](message, category, filename, lineno, file, line)
+            return
+        real = [f for i, f in enumerate(frames) if i not in detour]
+        if at >= len(real):
+            self._saved["showwarning"](message, category, filename, lineno, file, line)
+            return
+        f = real[at]
+        registry = frames[at].f_globals.get("__warningregistry__")
+        if isinstance(registry, dict):  # (the detour's line must not hide the next warning)
+            registry.clear()
+        g = f.f_globals
+        warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno,
+                               module=g.get("__name__"), registry=g.setdefault("__warningregistry__", {}),
+                               module_globals=g)
 
     # -- the optimizer ---------------------------------------------------------------------------
     def _before_step(self, optimizer, args, kwargs):
@@ -380,6 +388,34 @@ def _finite_grads(optimizer) -> bool:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bool(bad)
+
+
+_OVERRIDES = os.path.join(os.path.dirname(torch.__file__), "overrides.py")
+
+
+def _detour(frames: list) -> set[int]:
+    """The frames (innermost first) a call took through nanpass and not through plain torch:
+    nanpass's own, and above a run of them torch's ``handle_torch_function`` with the entry of
+    the Python function that handed the call to the mode (its code runs again below)."""
+    out: set[int] = set()
+    n = len(frames)
+    i = 0
+    while i < n:
+        if not frames[i].f_code.co_filename.startswith(_HERE):
+            i += 1
+            continue
+        while i < n and frames[i].f_code.co_filename.startswith(_HERE):
+            out.add(i)
+            i += 1
+        j = i
+        while j < n and frames[j].f_code.co_filename == _OVERRIDES:
+            out.add(j)
+            j += 1
+        if j > i and j < n and any(frames[j].f_code is frames[m].f_code for m in range(j)):
+            out.add(j)
+            j += 1
+        i = j
+    return out
 
 
 class _ScalerLog:
