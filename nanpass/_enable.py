@@ -194,6 +194,12 @@ class Enabled:
             return
         # already failing: the verdicts still on the device are read first, and a NaN/Inf they
         # hold is said before the program's own error surfaces (which then propagates as is)
+        if issubclass(exc[0], NonFiniteError):  # the finding itself: what follows is its
+            try:  # consequence
+                self.disable()
+            except NonFiniteError:
+                pass
+            return
         try:
             self.disable(failing=True)
         except NonFiniteError as e:
