@@ -617,7 +617,7 @@ def _watched(watch: Watch, sites: Sites, func, hit, args, kwargs):
     name = getattr(func, "__name__", None)
     if name == "backward" and (func is _BACKWARD or (args and isinstance(args[0], Tensor))):
         return watch.loss_backward(func, args, kwargs)  # loss.backward(), autograd.backward
-    if func is _GRAD:  # torch.autograd.grad: read before, as backward(), and once it returns
+    if func is _GRAD and watch.program:  # enable's autograd.grad: read before, as backward(), and after
         return watch.loss_backward(func, args, kwargs, grad=True)
     if isinstance(func, ATEN_OPS) or name in _UNWATCHED:
         return func(*args, **kwargs)
