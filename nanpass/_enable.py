@@ -225,6 +225,16 @@ class Enabled:
                 pass
         self._saved["exit"](status)
 
+    def _show(self, message, category, filename, lineno, file, line) -> None:
+        """As python would have shown it: the showwarning in place before enable, or where that
+        was python's own, python's display (which ``catch_warnings(record=True)`` records)."""
+        prev = self._saved["showwarning"]
+        impl = getattr(warnings, "_showwarnmsg_impl", None)
+        if prev is getattr(warnings, "_showwarning_orig", None) and impl is not None:
+            impl(warnings.WarningMessage(message, category, filename, lineno, file, line))
+        else:
+            prev(message, category, filename, lineno, file, line)
+
     def _showwarning(self, message, category, filename, lineno, file=None, line=None):
         """A warning torch raises inside a call nanpass watches is attributed, by the stack
         level torch gives, to a frame of nanpass's detour (its handler, and torch's own
@@ -241,12 +251,12 @@ class Enabled:
         at = next((i for i, f in enumerate(frames)
                    if f.f_code.co_filename == filename and f.f_lineno == lineno), None)
         detour = _detour(frames) if at is not None else set()
-        if at is None or not any(i in detour for i in range(at + 1)):
-            self._saved["showwarning"](message, category, filename, lineno, file, line)
+        if at is None or at not in detour:  # (a stack level that already named a frame past it)
+            self._show(message, category, filename, lineno, file, line)
             return
         real = [f for i, f in enumerate(frames) if i not in detour]
         if at >= len(real):
-            self._saved["showwarning"](message, category, filename, lineno, file, line)
+            self._show(message, category, filename, lineno, file, line)
             return
         f = real[at]
         registry = frames[at].f_globals.get("__warningregistry__")

@@ -407,7 +407,7 @@ def test_nanpass_run_warn_goes_on_and_report_names_the_line(tmp_path, capsys):
     with pytest.warns(nanpass.NonFiniteWarning) as caught:
         assert cli(["run", "--mode", "warn", str(script)]) == 0
     assert "finished False" in capsys.readouterr().out  # warn watches; it does not guard
-    assert all(w.filename == str(script) for w in caught)  # the user's line, not nanpass's
+    assert all(w.filename == str(script) for w in caught), [(w.filename, str(w.message)[:80]) for w in caught]  # the user's line, not nanpass's
     report = tmp_path / "r.html"
     assert cli(["run", "--mode", "guard", "--report", str(report), str(script)]) == 0
     assert "finished True" in capsys.readouterr().out
