@@ -257,33 +257,147 @@ def _format(report, fmt: str, color: bool) -> str:
 
 
 def run_script(mode: str, report: str | None, script: str, script_args: list[str]) -> int:
-    """``python script.py args`` with nanpass.enable(mode) on; the script's own exit status
-    (1 when it stops on a NonFiniteError, whose traceback ends with the line that made it)."""
-    import runpy
-
+    """``python script.py args`` with nanpass.enable(mode) on: the script sees what python
+    gives it (an absolute ``__file__``, its own directory first on ``sys.path``, ``sys.argv``
+    as typed), and its own exit status and message. Every finding is named whatever ends the
+    run: the script returning, ``sys.exit``, ``os._exit``, or an exception from the script
+    (the finding first, then the script's own traceback); status 1 when there is one."""
     if not os.path.isfile(script):
         print(f"nanpass: no such script: {script}", file=sys.stderr)
         return 2
+    if report is not None:  # checked now, and written where it was asked from (a script may chdir)
+        report = os.path.abspath(report)
+        where = os.path.dirname(report)
+        if not os.path.isdir(where) or not os.access(where, os.W_OK) or os.path.isdir(report):
+            why = "is a directory" if os.path.isdir(report) else (
+                f"its directory {where} does not exist" if not os.path.isdir(where) else
+                f"its directory {where} is not writable")
+            print(f"nanpass: cannot write the report to {report}: {why}", file=sys.stderr)
+            return 2
+    path = os.path.abspath(script)
+    # python script.py puts the script's directory first on sys.path, and nothing else of its
+    # own: here sys.path[0] is what python put there for nanpass (the caller's working
+    # directory for `python -m nanpass`, the `nanpass` command's directory), which the script
+    # takes instead (with python -P or PYTHONSAFEPATH neither is put there)
+    launcher = os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else ""
+    if not getattr(sys.flags, "safe_path", False):
+        if sys.path and sys.path[0] in ("", os.getcwd(), launcher):
+            sys.path[0] = os.path.dirname(path)
+        else:
+            sys.path.insert(0, os.path.dirname(path))
     sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    with enable(mode, report=report) as on:
-        try:
-            try:
-                runpy.run_path(script, run_name="__main__")
-            except SystemExit as e:
-                code = e.code
-                on.flush()  # the verdicts still on the device, read before the run ends
-                return code if isinstance(code, int) else (0 if code is None else 1)
-            on.flush()
-        except NonFiniteError as e:
-            print(f"{e}\nnanpass run: stopped {script} at the first NaN/Inf it made (above: the op, "
-                  f"your line, its operands); `--mode guard` trains through it", file=sys.stderr)
-            return 1
-    return 0
+    stopped = (f"nanpass run: stopped {script} at the first NaN/Inf it made (above: the op, your "
+               f"line, its operands); `--mode guard` trains through it")
+    on = enable(mode, report=report)
+    on.stopped = stopped  # (printed after a finding read at os._exit)
+    finding: NonFiniteError | None = None
+    failure: BaseException | None = None
+    code: int = 0
+    try:
+        _run_main(path)
+    except SystemExit as e:
+        code = _exit_status(e.code)
+    except NonFiniteError as e:  # a finding, read at a backward or an optimizer step
+        finding = e
+    except BaseException as e:  # noqa: BLE001 - the script's own error: reported after the finding
+        failure = e
+    try:
+        on.disable(failing=failure is not None)  # the verdicts still on the device
+    except NonFiniteError as e:
+        finding = finding or e
+    if finding is not None:
+        after = (f"\nnanpass run: then {script} raised {type(failure).__name__} (its traceback "
+                 f"below)") if failure is not None else ""
+        print(f"{finding}\n{stopped}{after}", file=sys.stderr)
+    if failure is not None:
+        _print_script_traceback(failure, path)
+        return 1
+    return 1 if finding is not None else code
+
+
+def _run_main(path: str) -> None:
+    """Run the file at ``path`` as ``__main__``, as ``python path`` does (runpy would set
+    ``sys.argv[0]`` to the path it is given, and ``__file__`` relative with it)."""
+    import importlib.machinery
+    import io
+    import types
+
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__cached__ = None
+    old = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)  # noqa: S102 - the user's script, as python runs it
+    finally:
+        if old is not None:
+            sys.modules["__main__"] = old
+
+
+def _exit_status(code) -> int:
+    """What python does with ``sys.exit(code)``: None is 0, an int is itself, anything else
+    is printed to stderr and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _print_script_traceback(exc: BaseException, path: str) -> None:
+    """The script's traceback as python prints it: from the script's own frame, without
+    runpy's or nanpass's (a call nanpass watched raises through its handler)."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    seen = set()
+    todo = [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        frames = list(t.stack)
+        first = next((i for i, f in enumerate(frames) if f.filename == path), 0)
+        t.stack = traceback.StackSummary.from_list(
+            [f for f in frames[first:] if not f.filename.startswith(here)])
+        todo.extend(x for x in (t.__cause__, t.__context__) if x is not None)
+    sys.stderr.flush()
+    print("".join(te.format()), end="", file=sys.stderr)
+
+
+def _split_run(argv: list[str]) -> tuple[list[str], list[str]] | None:
+    """``run``'s own options, and the script and its arguments exactly as typed (argparse
+    drops a ``--`` from a REMAINDER): None when there is no script (``--help``, an error)."""
+    takes_value = {"--mode", "--report"}
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            i += 1
+            break
+        if a in takes_value:
+            i += 2
+            continue
+        if a.startswith("-"):
+            i += 1
+            continue
+        break
+    if i >= len(argv):
+        return None
+    return argv[:i], argv[i:]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    split = _split_run(argv) if argv[:1] == ["run"] else None
+    if split is not None:  # the script's arguments pass untouched, a `--` among them
+        own, rest = split
+        args = _parser().parse_args([*[a for a in own if a != "--"], rest[0]])
+        return run_script(args.mode, args.report, rest[0], rest[1:])
     args = _parser().parse_args(argv)
     if args.command == "run":
         return run_script(args.mode, args.report, args.script, args.args)

@@ -843,7 +843,10 @@ def _tensor_version():
 
 
 def version(t) -> int:
-    return t._version
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (and is not written to
+        return -1  # outside inference mode): one version for its life
 
 
 # -- the every-op check ----------------------------------------------------------------------

@@ -12,15 +12,18 @@ rank alike), so the weights stay finite whatever nanpass cannot guard.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.optim.optimizer as optim_hooks
 
 from ._check import COLLECT, NonFiniteError
-from ._compat import eager_handler, foreach_norm, graphs_run_outside
+from ._compat import eager_handler, foreach_norm, functorch_active, graphs_run_outside
 from ._config import _choices, make_config
 from ._errors import ConfigError, NanpassError
 from ._intercept import GuardMode, Sites
@@ -31,7 +34,11 @@ from ._train import _local
 RUN_MODES = ("check", "warn", "guard", "count")
 _BACKENDS = ("inductor", "aot_eager", "eager")
 _LOCK = threading.Lock()
-_ACTIVE: list[Enabled] = []
+_ACTIVE: list[Enabled] = []  # the enables on now, the innermost last (it alone watches)
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# a spawned child (multiprocessing's "spawn", torch.multiprocessing.spawn) runs nanpass as its
+# parent does: the mode it is to run in (set while an enable is on; see _child_command)
+CHILD_ENV = "NANPASS_RUN_CHILD"
 
 
 class _ProgramMode(GuardMode):
@@ -40,12 +47,17 @@ class _ProgramMode(GuardMode):
     def __init__(self, sites: Sites):
         super().__init__(sites)
         self.paused = 0
+        self.watching = sites.checker is not None
 
     @eager_handler
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         # a compiled region is the backend's to guard or check (torch.compile is wrapped), and
         # so is its eager re-run that names an op (COLLECT is set while it runs)
-        if self.paused or torch.compiler.is_compiling() or COLLECT.get() is not None:
+        # functorch transforms (vmap, grad) and tracers (torch.jit.trace) are left to
+        # themselves in check mode: a value under vmap cannot be read, and a tracer records
+        # every call the mode makes (guard mode's guards are ordinary ops to both)
+        if (self.paused or torch.compiler.is_compiling() or COLLECT.get() is not None
+                or (self.watching and (functorch_active() or torch.jit.is_tracing()))):
             return func(*args, **(kwargs or {}))
         return super().__torch_function__(func, types_, args, kwargs)
 
@@ -64,6 +76,7 @@ class Enabled:
                               f"{_choices(RUN_MODES)}")
         self.mode = mode
         self.report_path = report
+        self._options = options
         config = make_config(mode="guard" if mode == "count" else mode, count=mode == "count",
                              watch=None if mode != "guard" else 100, **options)
         refuse_broken_guards(config)
@@ -80,53 +93,96 @@ class Enabled:
         self._handles: list = []
         self._compile = None
         self._on = False
+        self.stopped: str | None = None  # said after a finding read at os._exit (nanpass run)
+        self._outer: Enabled | None = None  # the enable this one took over from, till it ends
+        self._saved: dict = {}  # what _start replaced, put back by _off
+        self._scaler = _ScalerLog()
+        self._stepped = False
 
     # -- on and off ----------------------------------------------------------------------------
     def _start(self) -> Enabled:
         with _LOCK:
-            if _ACTIVE:
-                raise NanpassError("nanpass: enable() is already on in this process; disable() "
-                                   "it first (or use it as a context manager)")
+            outer = _ACTIVE[-1] if _ACTIVE else None
             _ACTIVE.append(self)
+        if outer is not None:
+            # an enable inside another (a script that uses enable under `nanpass run`): the
+            # inner one takes over (what the outer one holds is read first) and the outer one
+            # is back when the inner one ends
+            try:
+                outer.flush()
+            except BaseException:
+                with _LOCK:
+                    _ACTIVE.remove(self)
+                raise
+            outer._mode.paused += 1
+            self._outer = outer
         opt = optim_hooks
         self._handles = [opt.register_optimizer_step_pre_hook(self._before_step),
                          opt.register_optimizer_step_post_hook(self._after_step)]
-        self._compile = torch.compile
+        self._compile = torch.compile if outer is None else outer._compile
         torch.compile = self._compiled
+        self._saved = {"exit": os._exit, "showwarning": warnings.showwarning,
+                       "env": os.environ.get(CHILD_ENV)}
+        os._exit = self._os_exit
+        warnings.showwarning = self._showwarning
+        os.environ[CHILD_ENV] = self.mode if not self._options else ""
+        _patch_spawn(True)
+        _ScalerLog.install()
         self._mode.__enter__()
         self._on = True
         return self
 
-    def disable(self) -> None:
+    def disable(self, failing: bool = False) -> None:
         """Switch nanpass off, after reading the verdicts still on the device (a NaN made
-        since the last optimizer step or backward is reported here)."""
+        since the last optimizer step or backward is reported here). ``failing``: the program
+        is raising (``flush``)."""
         if not self._on:
             return
         try:
-            self.flush()
+            self.flush(failing)
         finally:
             self._off()
 
-    def flush(self) -> None:
+    def flush(self, failing: bool = False) -> None:
         """Read the verdicts still on the device now: report a NaN/Inf made since the last
-        optimizer step or backward (check and warn modes; nothing to do in the others)."""
+        optimizer step or backward (check and warn modes; nothing to do in the others).
+        ``failing``: the program is raising: an infinity made on purpose (a pole, a constant)
+        that went on through later calls instead of dying is named too."""
         if self._watch is not None and self._watch.program:
             self._mode.paused += 1  # (its own reads are not the program's calls)
             try:
-                self._watch.flush()
+                self._watch.flush(failing=failing)
             finally:
                 self._mode.paused -= 1
 
     def _off(self) -> None:
         if not self._on:
             return
+        with _LOCK:
+            if _ACTIVE[-1] is not self:
+                raise NanpassError("nanpass: disable() the enable started inside this one first "
+                                   "(enables end in the reverse order they started)")
         self._on = False
         self._mode.__exit__(None, None, None)
-        torch.compile = self._compile
+        torch.compile = self._compile if self._outer is None else self._outer._compiled
         for h in self._handles:
             h.remove()
+        if os._exit == self._os_exit:
+            os._exit = self._saved["exit"]
+        if warnings.showwarning == self._showwarning:
+            warnings.showwarning = self._saved["showwarning"]
+        if self._saved["env"] is None:
+            os.environ.pop(CHILD_ENV, None)
+        else:
+            os.environ[CHILD_ENV] = self._saved["env"]
         with _LOCK:
             _ACTIVE.remove(self)
+            last = not _ACTIVE
+        if last:
+            _patch_spawn(False)
+            _ScalerLog.uninstall()
+        if self._outer is not None:
+            self._outer._mode.paused -= 1
         self._finish()
 
     def __enter__(self) -> Enabled:
@@ -135,11 +191,87 @@ class Enabled:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.disable()
-        else:  # already failing: the verdicts of the step it stopped in are dropped
-            self._off()
+            return
+        # already failing: the verdicts still on the device are read first, and a NaN/Inf they
+        # hold is said before the program's own error surfaces (which then propagates as is)
+        if issubclass(exc[0], NonFiniteError):  # the finding itself: what follows is its
+            try:  # consequence
+                self.disable()
+            except NonFiniteError:
+                pass
+            return
+        try:
+            self.disable(failing=True)
+        except NonFiniteError as e:
+            print(f"{e}\nnanpass: the program then raised {exc[0].__name__} (below)", file=sys.stderr)
+
+    # -- what ends a program ---------------------------------------------------------------------
+    def _os_exit(self, status: int) -> None:
+        """``os._exit`` (no ``finally``, no atexit) while enabled: the verdicts still on the
+        device are read first; a finding is said, and the status is 1."""
+        try:
+            if self._on and threading.current_thread() is threading.main_thread():
+                self.flush()
+        except NonFiniteError as e:
+            print(f"{e}" + (f"\n{self.stopped}" if self.stopped else ""), file=sys.stderr)
+            status = 1
+        except BaseException as e:  # noqa: BLE001 - the process ends here whatever happens
+            print(f"nanpass: reading the verdicts at os._exit raised {type(e).__name__}: {e}",
+                  file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        self._saved["exit"](status)
+
+    def _show(self, message, category, filename, lineno, file, line) -> None:
+        """As python would have shown it: the showwarning in place before enable, or where that
+        was python's own, python's display (which ``catch_warnings(record=True)`` records)."""
+        prev = self._saved["showwarning"]
+        impl = getattr(warnings, "_showwarnmsg_impl", None)
+        if prev is getattr(warnings, "_showwarning_orig", None) and impl is not None:
+            impl(warnings.WarningMessage(message, category, filename, lineno, file, line))
+        else:
+            prev(message, category, filename, lineno, file, line)
+
+    def _showwarning(self, message, category, filename, lineno, file=None, line=None):
+        """A warning torch raises inside a call nanpass watches is attributed, by the stack
+        level torch gives, to a frame of nanpass's detour (its handler, and torch's own
+        ``handle_torch_function`` and the function's first entry that led there): it is
+        warned again at the frame python would have named without the detour, under the
+        filters of that frame's module."""
+        f = sys._getframe(1)
+        while f is not None and f.f_globals.get("__name__") == "warnings":
+            f = f.f_back
+        frames = []
+        while f is not None:
+            frames.append(f)
+            f = f.f_back
+        at = next((i for i, f in enumerate(frames)
+                   if f.f_code.co_filename == filename and f.f_lineno == lineno), None)
+        detour = _detour(frames) if at is not None else set()
+        if at is None or at not in detour:  # (a stack level that already named a frame past it)
+            self._show(message, category, filename, lineno, file, line)
+            return
+        real = [f for i, f in enumerate(frames) if i not in detour]
+        if at >= len(real):
+            self._show(message, category, filename, lineno, file, line)
+            return
+        f = real[at]
+        registry = frames[at].f_globals.get("__warningregistry__")
+        if isinstance(registry, dict):  # (the detour's line must not hide the next warning)
+            registry.clear()
+        g = f.f_globals
+        warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno,
+                               module=g.get("__name__"), registry=g.setdefault("__warningregistry__", {}),
+                               module_globals=g)
 
     # -- the optimizer ---------------------------------------------------------------------------
     def _before_step(self, optimizer, args, kwargs):
+        if _ACTIVE and _ACTIVE[-1] is not self:
+            return None  # an enable inside this one watches now
+        self._stepped = True
         self.flush()  # what ran since the backward (clipping, the loss code): read before the step
         self._mode.paused += 1
         # args are step's own, the optimizer first: step(self, closure=None)
@@ -176,7 +308,33 @@ class Enabled:
                   f"({self.skipped} so far)", file=sys.stderr)
 
     def _after_step(self, optimizer, args, kwargs):
+        if _ACTIVE and _ACTIVE[-1] is not self:
+            return
         self._mode.paused = max(0, self._mode.paused - 1)
+
+    # -- GradScaler ------------------------------------------------------------------------------
+    def _scaler_step(self, step, scaler, optimizer, args, kwargs):
+        """``scaler.step(optimizer)``: where the scaler skips the step (its gradients were not
+        finite at its scale), the overflow of that backward is the scaler's design, not a
+        finding: it is counted with the scale (count mode's summary). A NaN the backward made
+        from finite gradients is still named, and so is an overflow once the scale has
+        collapsed below 1 (the gradient is not finite at any scale)."""
+        self._stepped = False
+        out = step(scaler, optimizer, *args, **kwargs)
+        if self._stepped or not scaler.is_enabled():
+            self._scaler.in_a_row = 0
+            return out
+        scale = scaler.get_scale()  # (the scaler has read its verdict already: no new wait)
+        log = self._scaler
+        log.seen(scaler, scale)
+        if self._watch is not None and self._watch.program:
+            self._mode.paused += 1
+            try:
+                self._watch.flush(absorb=log if scale >= 1.0 else None,
+                                  note=None if scale >= 1.0 else log.collapse(scale))
+            finally:
+                self._mode.paused -= 1
+        return out
 
     # -- torch.compile inside the program ---------------------------------------------------------
     def _compiled(self, model=None, *, backend="inductor", options=None, **kwargs):
@@ -216,6 +374,10 @@ class Enabled:
         if self.skipped:
             print(f"nanpass: {self.skipped} optimizer steps skipped for non-finite gradients",
                   file=sys.stderr)
+        if self.mode == "count" and self._scaler.scales:
+            print(self._scaler.summary(), file=sys.stderr)
+        if self._watch is not None and self._watch.unwatched:
+            print(self._watch.unwatched_summary(), file=sys.stderr)
         if self.report_path:
             from ._report import Report
             from ._rewrite import GraphRecord
@@ -242,6 +404,148 @@ def _finite_grads(optimizer) -> bool:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bool(bad)
+
+
+_OVERRIDES = os.path.join(os.path.dirname(torch.__file__), "overrides.py")
+
+
+def _detour(frames: list) -> set[int]:
+    """The frames (innermost first) a call took through nanpass and not through plain torch:
+    nanpass's own, and above a run of them torch's ``handle_torch_function`` with the entry of
+    the Python function that handed the call to the mode (its code runs again below)."""
+    out: set[int] = set()
+    n = len(frames)
+    i = 0
+    while i < n:
+        if not frames[i].f_code.co_filename.startswith(_HERE):
+            i += 1
+            continue
+        while i < n and frames[i].f_code.co_filename.startswith(_HERE):
+            out.add(i)
+            i += 1
+        j = i
+        while j < n and frames[j].f_code.co_filename == _OVERRIDES:
+            out.add(j)
+            j += 1
+        if j > i and j < n and any(frames[j].f_code is frames[m].f_code for m in range(j)):
+            out.add(j)
+            j += 1
+        i = j
+    return out
+
+
+class _ScalerLog:
+    """The steps a GradScaler skipped while enabled: the scale at each (its trajectory), and
+    the overflows its skips took (which check mode does not stop at)."""
+
+    _step = None  # GradScaler.step as torch defines it, while an enable is on
+
+    def __init__(self):
+        self.scales: list[float] = []  # the scale each skipped step ran at
+        self.in_a_row = 0
+        self.absorbed: list[str] = []  # where the backward overflowed, first few
+        self.overflows = 0
+        self._scaler = None
+
+    def seen(self, scaler, scale: float) -> None:
+        self.scales.append(scale)
+        self.in_a_row += 1
+        self._scaler = weakref.ref(scaler)
+
+    def take(self, where: str) -> None:
+        """An overflow in a backward whose step the scaler skipped."""
+        self.overflows += 1
+        if len(self.absorbed) < 3 and where not in self.absorbed:
+            self.absorbed.append(where)
+
+    def collapse(self, scale: float) -> str:
+        return (f"  the GradScaler skipped {self.in_a_row} steps in a row and its scale is now "
+                f"{scale:g} (below 1): the gradient is not finite at any scale")
+
+    def summary(self) -> str:
+        scaler = self._scaler() if self._scaler is not None else None
+        now = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        path = " -> ".join(f"{s:g}" for s in self.scales) + (f" -> {now:g} now" if now is not None else "")
+        text = (f"nanpass: GradScaler skipped {len(self.scales)} steps for gradients not finite at "
+                f"its scale (its own back-off, not a finding); scale {path}")
+        if self.absorbed:
+            text += "\n  the overflows it skipped: " + "; ".join(self.absorbed)
+        return text
+
+    @classmethod
+    def install(cls) -> None:
+        from torch.amp import GradScaler
+
+        if cls._step is None:
+            cls._step = GradScaler.step
+            GradScaler.step = _scaler_step
+
+    @classmethod
+    def uninstall(cls) -> None:
+        from torch.amp import GradScaler
+
+        if cls._step is not None:
+            if GradScaler.step is _scaler_step:
+                GradScaler.step = cls._step
+            cls._step = None
+
+
+def _scaler_step(scaler, optimizer, *args, **kwargs):
+    step = _ScalerLog._step
+    on = _ACTIVE[-1] if _ACTIVE else None
+    if on is None or step is None or threading.current_thread() is not threading.main_thread():
+        return (step or type(scaler).step)(scaler, optimizer, *args, **kwargs)
+    return on._scaler_step(step, scaler, optimizer, args, kwargs)
+
+
+# -- spawned children ---------------------------------------------------------------------------
+_SPAWN: dict = {}
+
+
+def _patch_spawn(on: bool) -> None:
+    """While enabled, a child multiprocessing starts with "spawn" (torch.multiprocessing.spawn,
+    ``mp.get_context("spawn")``) imports nanpass first and runs enabled as its parent does
+    (``_child``; the mode travels in the environment, CHILD_ENV). A "fork" child inherits the
+    enable, and its verdicts are read at its ``os._exit``. A "forkserver" child is not watched."""
+    import multiprocessing.spawn as mp_spawn
+
+    if on and not _SPAWN:
+        _SPAWN["get_command_line"] = orig = mp_spawn.get_command_line
+
+        def get_command_line(**kwds):
+            cmd = orig(**kwds)
+            if "-c" in cmd[:-1] and os.environ.get(CHILD_ENV):
+                i = cmd.index("-c") + 1
+                root = os.path.dirname(_HERE.rstrip(os.sep))
+                cmd = [*cmd[:i], f"import sys; sys.path.append({root!r}); "
+                       f"from nanpass._enable import _child; _child({cmd[i]!r})", *cmd[i + 1:]]
+            return cmd
+
+        mp_spawn.get_command_line = get_command_line
+    elif not on and _SPAWN:
+        mp_spawn.get_command_line = _SPAWN.pop("get_command_line")
+
+
+def _child(prog: str) -> None:
+    """A spawned child's program (``spawn_main``), run enabled in its parent's mode; the
+    verdicts still on the device are read when it ends, and a finding makes its status 1."""
+    mode = os.environ.get(CHILD_ENV)
+    if not mode:
+        exec(prog, {"__name__": "__main__"})  # noqa: S102 - multiprocessing's own program
+        return
+    on = enable(mode)
+    on.stopped = f"nanpass: stopped the spawned process {os.getpid()} at the first NaN/Inf it made"
+    code = 0
+    try:
+        exec(prog, {"__name__": "__main__"})  # noqa: S102 - it ends with sys.exit(its status)
+    except SystemExit as e:
+        code = e.code
+    try:
+        on.disable()
+    except NonFiniteError as e:
+        print(f"{e}\n{on.stopped}", file=sys.stderr)
+        code = 1
+    sys.exit(code)
 
 
 def enable(mode: str = "check", *, report: str | None = None, **options) -> Enabled:

@@ -609,13 +609,18 @@ _UNWATCHED = frozenset(("__get__", "__set__", "__repr__", "__format__", "__str__
                         "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"))
 
 
+_BACKWARD, _GRAD = torch.autograd.backward, torch.autograd.grad
+
+
 def _watched(watch: Watch, sites: Sites, func, hit, args, kwargs):
     """Check mode: every call runs as called and its result is checked; a call the table
     names also records its site for the report."""
     func = _fastpath.ORIGINALS.get(func, func)  # a stand-in torch looked up by name: its original
     name = getattr(func, "__name__", None)
-    if name == "backward" and args and isinstance(args[0], Tensor):  # loss.backward()
-        return watch.loss_backward(func, args, kwargs)
+    if name == "backward" and (func is _BACKWARD or (args and isinstance(args[0], Tensor))):
+        return watch.loss_backward(func, args, kwargs)  # loss.backward(), autograd.backward
+    if func is _GRAD and watch.program:  # enable's autograd.grad: read before, as backward(), and after
+        return watch.loss_backward(func, args, kwargs, grad=True)
     if isinstance(func, ATEN_OPS) or name in _UNWATCHED:
         return func(*args, **kwargs)
     if name in REARRANGE and watch.collecting():  # (half the calls of a GPT-2 step)

@@ -106,10 +106,37 @@ def _finite(t: Tensor) -> bool:
     return math.isfinite(s.item()) or bool(torch.isfinite(t).all())
 
 
+# the dtypes a check reduces (float8's have no reduction: not watched, counted)
+_READ = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_STRIDED = torch.strided
+
+
 def readable(t) -> bool:
     """A dense floating tensor whose values can be read here (a subclass such as a DTensor
-    or a FakeTensor is checked by the ops it runs, not read as a whole)."""
-    return (type(t) is Tensor or type(t) is torch.nn.Parameter) and t.is_floating_point() and t.numel() > 0
+    or a FakeTensor is checked by the ops it runs, not read as a whole; a meta, sparse or
+    float8 tensor has nothing a check can reduce: ``unwatched`` says which)."""
+    return ((type(t) is Tensor or type(t) is torch.nn.Parameter) and t.dtype in _READ
+            and t.layout is _STRIDED and not t.is_meta and t.numel() > 0)
+
+
+def unwatched(t) -> str | None:
+    """Why a floating result a check cannot reduce is not watched (None: a tensor the check
+    does not look at by design: an integer, an empty one, a subclass that runs its own ops)."""
+    if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
+        return None
+    if t.is_nested:
+        return "nested tensors"
+    if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+        return None
+    if t.is_meta:
+        return "meta tensors (no values)"
+    if t.layout is not _STRIDED:
+        return f"{str(t.layout).removeprefix('torch.')} tensors"
+    if t.is_complex():
+        return None
+    if t.dtype not in _READ:
+        return f"{str(t.dtype).removeprefix('torch.')} tensors"
+    return None
 
 
 def _tensors(xs, out: list) -> list:
@@ -207,6 +234,12 @@ class Watch:
         self.quiet: set = set()
         self.born = 0  # infinities made on purpose seen (a run again that saw none, saw nothing)
         self.compiled_pending: collections.deque = collections.deque()
+        self.unwatched: dict[str, int] = {}  # results a check cannot reduce, by kind
+        self._travelled = None  # (origin, site): the last call an infinity went on through
+
+    def unwatched_summary(self) -> str:
+        kinds = ", ".join(f"{n} result{'s' if n != 1 else ''} of {why}" for why, n in self.unwatched.items())
+        return f"nanpass: not watched (a check cannot reduce them): {kinds}"
 
     def collecting(self) -> bool:
         """A hardened forward's verdicts are being collected on the device in this thread
@@ -301,7 +334,12 @@ class Watch:
             if grad and o.grad_fn is not None and _KEY not in o.grad_fn.metadata:
                 made = made or self._made(func, hit)
                 self._hook(o, args, kwargs, made)
-            if not readable(o) or (o is not first and is_view(o) and _view_of_operand(o, args, kwargs)):
+            if not readable(o):
+                why = unwatched(o)
+                if why is not None:  # (said once, at the end: what was not watched)
+                    self.unwatched[why] = self.unwatched.get(why, 0) + 1
+                continue
+            if o is not first and is_view(o) and _view_of_operand(o, args, kwargs):
                 continue  # a view of an operand makes no new value
             if new is not None:
                 new.append(o)
@@ -540,7 +578,9 @@ class Watch:
                 if isinstance(g, Tensor) and g.grad_fn is not None and _KEY not in g.grad_fn.metadata:
                     self._hook(g, grad_outputs, {}, made)
         given = [g for g in grad_inputs if isinstance(g, Tensor) and readable(g)]
-        if self.deferred and made.fn is None and COLLECT.get() is None:
+        # (under torch's anomaly mode a backward raises at the first node whose output holds a
+        # NaN: each node is read at once, so that the node that made it is named first)
+        if self.deferred and made.fn is None and COLLECT.get() is None and not torch.is_anomaly_enabled():
             # read once when the backward ends (a custom Function's backward is checked here,
             # at its node, so that its own line can be named by running it again)
             received = [g for g in grad_outputs if isinstance(g, Tensor) and readable(g)]
@@ -554,13 +594,16 @@ class Watch:
         passed = not all(_finite(g) for g in received)
         if (passed or made.nonfinite) and self.found:
             return  # passed on, or explained by a NaN/Inf already named
-        if made.fn is not None and node is not None and not passed and self._rerun_custom(made, node, grad_outputs):
-            return
+        at = None
+        if made.fn is not None and node is not None and not passed:
+            at = self._rerun_custom(made, node, grad_outputs)
+            if at is True:
+                return
         bad = next(g for g in given if not _finite(g))
-        self._emit_backward(made, name, passed, describe(bad))
+        self._emit_backward(made, name, passed, describe(bad), at or None)
 
-    def _emit_backward(self, made: _Made, name: str, passed: bool, gave: str) -> None:
-        site = made.site()
+    def _emit_backward(self, made: _Made, name: str, passed: bool, gave: str, site: Site | None = None) -> None:
+        site = site or made.site()
         if passed:
             text = (f"non-finite gradient reaches the backward of {site}\n  though every gradient "
                     f"nanpass saw before it was finite: autograd's sum of the gradients flowing "
@@ -585,9 +628,12 @@ class Watch:
         else:
             self.backward_verdicts(bw)
 
-    def backward_verdicts(self, bw: Backward, st: list[int] | None = None) -> None:
+    def backward_verdicts(self, bw: Backward, st: list[int] | None = None, absorb=None,
+                          note: str | None = None) -> None:
         """The backward's scalars, read once: the first node that made a finite gradient
-        non-finite is named, with its forward site (as ``backward`` names it at the node)."""
+        non-finite is named, with its forward site (as ``backward`` names it at the node).
+        ``absorb``: a GradScaler skipped this backward's step: an infinity it made is the
+        scaler's overflow (given to ``absorb.take``); a NaN made from finite gradients is not."""
         st = read(bw.scalars) if st is None else st
         for made, name, given, received, shapes in bw.records:
             bad = [st[k] for k in given if st[k] != FINITE]
@@ -596,6 +642,9 @@ class Watch:
                     made.nonfinite = True
                 continue
             if made is None:  # the gradient reaching an output, from the loss
+                if bad and absorb is not None and NAN not in bad:
+                    absorb.take(f"the gradient reaching {name}")
+                    return
                 if bad:
                     self.output_grad(name, shapes)
                 continue
@@ -604,35 +653,50 @@ class Watch:
             passed = any(st[k] != FINITE for k in received)
             if (passed or made.nonfinite) and self.found:
                 return  # passed on, or explained by a NaN/Inf already named
+            if absorb is not None and NAN not in bad and not made.nonfinite:
+                site = made.site()
+                absorb.take(f"{site.spelling} at {site.source}" if site.source else site.spelling)
+                return  # (what follows in this backward is that overflow passed on)
             what = "NaN" if NAN in bad else "an infinity"
             gave = ", ".join(f"shape {s} {str(d)[6:]}" for s, d in shapes)
             self._emit_backward(made, name, passed, f"{gave}, with {what} (read once, after the "
-                                f"backward; stop_at_op=True stops at the node and describes its values)")
+                                f"backward; stop_at_op=True stops at the node and describes its values)"
+                                + (f"\n{note}" if note else ""))
 
     # -- nanpass.enable: a program's verdicts ---------------------------------------------------
-    def loss_backward(self, func, args, kwargs):
-        """``loss.backward()``: a loss that is not finite is named (where its NaN or Inf came
-        from); the next step starts afresh."""
-        loss = args[0]
+    def loss_backward(self, func, args, kwargs, grad: bool = False):
+        """``loss.backward()`` (and ``torch.autograd.backward``/``grad``): a loss that is not
+        finite is named (where its NaN or Inf came from); the next step starts afresh.
+        ``torch.autograd.grad`` is most often followed by a manual update, with no optimizer
+        step to read before: its backward's verdicts are read as soon as it returns."""
+        roots = [t for t in leaves(args[0] if args else kwargs.get("outputs", kwargs.get("tensors")))
+                 if isinstance(t, Tensor)]
         step = self.pending if self.program and COLLECT.get() is None else None
         if step is None:
-            self.escaped([loss], "the loss")
+            self.escaped(roots, "the loss")
         else:  # the forward's one read: before the backward frees what it saved, which the
             # findings describe (the backward's verdicts are read when it ends)
-            if readable(loss):
-                k = step.get(loss)
-                step.reasons.append(k if k is not None else step.add(loss))
-                step.escapes.append((loss, "the loss"))
+            for loss in roots:
+                if readable(loss):
+                    k = step.get(loss)
+                    step.reasons.append(k if k is not None else step.add(loss))
+                    step.escapes.append((loss, "the loss"))
             self.flush()
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         finally:
             self.found = False
+        if grad and self.program and COLLECT.get() is None:
+            self.flush()
+        return out
 
-    def flush(self) -> None:
+    def flush(self, absorb=None, note: str | None = None, failing: bool = False) -> None:
         """Read the program's verdicts (the backwards' since the last read with the calls',
         in one copy) and report what the check at each op would have reported, in the order
-        it would have."""
+        it would have. ``absorb``: the backwards were a GradScaler's, whose step it skipped:
+        an overflow in them is its (``_enable._ScalerLog.take``), not a finding; ``note``: said
+        with a backward's finding. ``failing``: the program is raising: an infinity made on
+        purpose that was still travelling is named too (the program's own check of it failed)."""
         step, self._program = self._program, None
         backwards, self._backwards = self._backwards, []
         fw = step.scalars if step is not None else []
@@ -643,13 +707,19 @@ class Watch:
         k = 0
         for bw in backwards:  # (each ran before the calls still pending)
             self.found = self.found or bw.explained  # (a NaN its forward had, named already)
-            self.backward_verdicts(bw, st[k:k + len(bw.scalars)])
+            self.backward_verdicts(bw, st[k:k + len(bw.scalars)], absorb, note)
             k += len(bw.scalars)
         st = st[k:]
-        if fw and step.verdict(st) is not None:
+        if fw and (step.verdict(st) is not None or (failing and any(v != FINITE for v in st))):
+            self._travelled = None
             self._replay(step, st)
             for t, what in step.escapes:
                 self.escaped([t], what)
+            if failing and not self.found and self._travelled is not None:
+                origin, site = self._travelled
+                self._emit("forward", "Inf", origin.site,
+                           f"an infinity reached {site} before the program raised\n  it was "
+                           f"{origin} (quiet while it dies; this one did not)", created=False)
 
     def _replay(self, step: Forward, st: list[int]) -> None:
         """The per-op check, made now from the states on each recorded call whose result was
@@ -707,6 +777,7 @@ class Watch:
                                          "read by" if param else "first seen in an operand of")
             elif in_inf:
                 origin = origin_of(in_inf) or _Origin(site, "first seen in an operand of")
+                self._travelled = (origin, site)
             elif r.constant:
                 origin = _Origin(site, "made on purpose (an infinite constant) by")
             elif r.pole is not None and st[r.pole] != FINITE:
@@ -726,22 +797,32 @@ class Watch:
             if r.made is not None:
                 r.made.nonfinite = True
 
-    def _rerun_custom(self, made: _Made, node, grad_outputs) -> bool:
+    def _rerun_custom(self, made: _Made, node, grad_outputs):
         """A custom Function's backward made it: run that backward again with every call
-        checked, so the report names the line inside it."""
+        checked, so the report names the line inside it. True: named there; a ``Site``: no
+        op inside it was to blame on its own (an infinity at a pole, ``g / x`` at 0), and this
+        is the line that made the gradient it returned; None: not known."""
         ctx = node()
         if ctx is None:
-            return False
+            return None
         before, program = self.found, self.program
         self.program = False  # (nanpass.enable: checked at each op, here and now)
         try:
             with torch.no_grad(), self.sites.mode():
-                made.fn.backward(ctx, *grad_outputs)
+                again = made.fn.backward(ctx, *grad_outputs)
         except RuntimeError:
-            return False  # its saved tensors are gone (a second backward): name the method
+            return None  # its saved tensors are gone (a second backward): name the method
         finally:
             self.program = program
-        return self.found and not before
+        if self.found and not before:
+            return True
+        for g in leaves(again):
+            if readable(g) and not _finite(g):
+                origin = self._origin(g)
+                if origin is not None:
+                    s = origin.site
+                    return Site(s.op, made.spelling, s.module, s.module_type, s.source, s.code)
+        return None
 
 
 class _NodeCheck:

@@ -9,6 +9,7 @@ only makes infinities that die (a -inf mask before a softmax) and must run silen
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -17,12 +18,17 @@ import sys
 import pytest
 import torch
 
+import nanpass
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "nan_scripts"
 NAMES = sorted(p.name for p in SCRIPTS.glob("*.py"))
 MARKER = re.compile(r"#\s*nanpass-expect:\s*(\w+)\s*$")
 NEEDS = re.compile(r"^(?:from|import) (transformers|lightning)\b", re.M)  # optional test extras
 DDP = "ddp_two_ranks.py"  # run by torchrun on two ranks
+# the child imports the nanpass this test imports (a worktree, a clean clone, an install)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    p for p in (str(pathlib.Path(nanpass.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p)}
 
 
 def expected(name: str) -> dict[str, int]:
@@ -60,7 +66,7 @@ def run(name: str, mode: str, cwd: pathlib.Path):
     else:
         cmd = [sys.executable, *nanpass]
     res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
-                         timeout=180 if name == DDP else 120)
+                         timeout=180 if name == DDP else 120, env=ENV)
     for _ in range(2):
         if name != DDP or _TEARDOWN not in res.stderr:
             break
@@ -68,7 +74,7 @@ def run(name: str, mode: str, cwd: pathlib.Path):
         # (SIGABRT) in 1-2 of 16 runs under load when the script ran through a wrapper (runpy,
         # or exec in __main__ as pdb does), nanpass or not; never in 16 plain runs. Cause not
         # found: the run is repeated (twice at most), and the repeat must pass every assertion.
-        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=180)
+        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=180, env=ENV)
     return res
 
 

@@ -9,6 +9,7 @@ import inspect
 import math
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -278,11 +279,78 @@ def test_enable_checks_the_loss_code_too_and_switches_off():
     assert torch.isinf(_program(x)) or torch.isnan(_program(x))  # off again: plain, no error
 
 
-def test_enable_rejects_a_bad_mode_and_a_second_enable():
+def test_enable_rejects_a_bad_mode_and_a_nested_enable_takes_over():
     with pytest.raises(nanpass.ConfigError, match="^nanpass: unknown mode 'fix'.*'check', 'warn', 'guard', 'count'"):
         nanpass.enable(mode="fix")
-    with nanpass.enable(mode="check"), pytest.raises(nanpass.NanpassError, match="^nanpass: enable"):
-        nanpass.enable(mode="guard")
+    with pytest.raises(nanpass.NonFiniteError), nanpass.enable(mode="check") as outer:
+        with nanpass.enable(mode="guard") as inner:
+            y = torch.log(torch.zeros(2))  # the inner one guards: finite, and no check of it
+            with pytest.raises(nanpass.NanpassError, match="^nanpass: disable\\(\\) the enable started inside"):
+                outer.disable()
+        assert torch.isfinite(y).all() and not inner._on
+        z = torch.zeros(2, requires_grad=True)
+        (z / z).sum().backward()  # the outer one checks again
+
+
+def test_enable_names_a_finding_before_the_programs_own_error(capsys):
+    """The program raises before any read point: the verdicts are read at the exit of the
+    ``with``, the finding is said first, and the program's error propagates as it was."""
+    x = torch.zeros(3)
+    with pytest.raises(AssertionError, match="not finite"), nanpass.enable(mode="check"):
+        y = x / x
+        assert bool(torch.isfinite(y).all()), "not finite"
+    err = capsys.readouterr().err
+    assert err.startswith("nanpass: NaN created by operator.truediv"), err
+    assert "the program then raised AssertionError" in err
+
+
+def test_enable_reads_at_autograd_grad_under_anomaly_and_at_a_custom_functions_line():
+    w = torch.zeros(3, requires_grad=True)
+    with pytest.raises(nanpass.NonFiniteError, match="backward of Tensor.sqrt") as e, nanpass.enable(mode="check"):
+        torch.autograd.grad((w * w).sum().sqrt(), [w])  # read as it returns
+        raise AssertionError("not read at torch.autograd.grad")
+    with pytest.raises(nanpass.NonFiniteError, match="backward of Tensor.sqrt"), nanpass.enable(mode="check"), \
+            torch.autograd.detect_anomaly(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (w * 2).pow(2).sum().sqrt().backward()  # torch's error would name PowBackward0
+
+    class Inverse(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g / x
+
+    with pytest.raises(nanpass.NonFiniteError) as e, nanpass.enable(mode="check"):
+        Inverse.apply(w).sum().backward()
+    assert "return g / x" in str(e.value) and "@staticmethod" not in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["check", "guard"])
+def test_enable_runs_what_a_check_cannot_reduce(mode, capsys):
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    with nanpass.enable(mode=mode) as on:
+        with torch.inference_mode():
+            y = lin(x).relu()
+        z = (y * 2).sum()
+        with torch.device("meta"):
+            nn.Linear(4, 4)(torch.zeros(2, 4))
+        torch.sparse.mm(torch.eye(3).to_sparse(), torch.randn(3, 2))
+        (x.to(torch.float8_e4m3fn).float() + 1).sum()
+        per = torch.func.vmap(torch.func.grad(lambda w, xi: (w * xi).sum().pow(2)), in_dims=(None, 0))(x[0], x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (torch.jit.trace, from 2.13)
+            torch.jit.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), x)(x)
+        lin(x).pow(2).mean().backward()
+    assert per.shape == (3, 4) and torch.isfinite(z)
+    if mode == "check":
+        assert on._watch.unwatched and "meta" in on._watch.unwatched_summary()
+        assert "not watched" in capsys.readouterr().err
 
 
 def test_enable_guard_skips_a_non_finite_step_and_leaves_the_optimizer_alone():
@@ -339,7 +407,7 @@ def test_nanpass_run_warn_goes_on_and_report_names_the_line(tmp_path, capsys):
     with pytest.warns(nanpass.NonFiniteWarning) as caught:
         assert cli(["run", "--mode", "warn", str(script)]) == 0
     assert "finished False" in capsys.readouterr().out  # warn watches; it does not guard
-    assert all(w.filename == str(script) for w in caught)  # the user's line, not nanpass's
+    assert all(w.filename == str(script) for w in caught), [(w.filename, str(w.message)[:80]) for w in caught]  # the user's line, not nanpass's
     report = tmp_path / "r.html"
     assert cli(["run", "--mode", "guard", "--report", str(report), str(script)]) == 0
     assert "finished True" in capsys.readouterr().out
