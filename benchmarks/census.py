@@ -1241,6 +1241,9 @@ def _isolated(op, run, res: EmptyResult) -> EmptyResult:
         rfd, wfd = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: the op's cases not yet run, one message each
+            import faulthandler
+
+            faulthandler.disable()  # a crash is recorded here, its signal is the report
             os.close(rfd)
             out = os.fdopen(wfd, "wb")
 
@@ -1476,6 +1479,16 @@ GROUPS_ACCEPTED: dict[str, str] = {
     "nn.functional.linear_cross_entropy": _LCE_IGNORED,
     "nn.functional.linear_cross_entropy.chunked": _LCE_IGNORED,
 }
+# finite under nanpass.harden, not under the backend: the reason holds only where harden is finite
+_MASKED_TRACED = ("under the backend only: torch.masked prototype op (not used in models); dynamo "
+                  "traces its Python into the fill of the masked-out elements and a plain reduction "
+                  "of a row with nothing left (a softmax of a -inf row, a sum divided by a count of "
+                  "0); `nanpass.harden` guards the call")
+GROUPS_BACKEND_ONLY: dict[str, str] = {
+    "masked." + _name: _MASKED_TRACED
+    for _name in ("log_softmax", "logaddexp", "logsumexp", "mean", "softmax", "softmin", "std", "var",
+                  "normalize")
+}
 
 
 def _params(op) -> set[str]:
@@ -1664,8 +1677,10 @@ def _user_call(op):
 
 def groups_accepted_reason(op, harden_finite: bool = True) -> str | None:
     """Why ``op`` may stay non-finite on an empty group: ``GROUPS_ACCEPTED``, or (when harden is
-    finite there) the graph break of the rule that guards it."""
+    finite there) ``GROUPS_BACKEND_ONLY`` or the graph break of the rule that guards it."""
     reason = GROUPS_ACCEPTED.get(op_id(op)) or GROUPS_ACCEPTED.get(op.name)
+    if reason is None and harden_finite:
+        reason = GROUPS_BACKEND_ONLY.get(op_id(op)) or GROUPS_BACKEND_ONLY.get(op.name)
     if reason is None and harden_finite and _breaks_in_dynamo(rules_for(op)[0]):
         reason = _GRAPH_BREAK
     return reason
