@@ -26,6 +26,13 @@ is reported. Each op is probed in a forked child process, so an op that crashes 
 
     python benchmarks/census.py [--ops a,b] [--dtypes float32,float16] [--samples 5]
         [--out docs/census.md] [--json census.json] [--no-verify] [--no-isolate]
+        [--empty | --groups]
+
+``--empty`` (issue 39) cuts every sample to zero-size operands; ``--groups`` (issue 48) gives
+every op that reduces over groups (segments, bags, index slots, masked rows, ignored targets)
+one empty group; each writes its own section of ``--out``. Both run each case as torch runs it,
+under ``nanpass.harden`` and under ``nanpass.backend``, and run each op in forked children: a case
+that crashes the process is recorded and left unprobed, and the op's other cases still run.
 
 The full census (all ops, four dtypes) takes about two minutes on one CPU core.
 ``tests/test_census.py`` re-runs a subset and fails on a new unguarded op.
@@ -1350,7 +1357,7 @@ def render_empty(results: list[EmptyResult], dtypes, seconds: float, ops=None) -
         f"{torch.__version__} (CPU), in {seconds / 60:.1f} min; `tests/test_census.py` re-runs a subset. "
         + (f"A re-run of {len(ops)} ops only (those whose case crashed the process), each crashing case "
            "now alone in a forked child: it supersedes the crash bullet above for these ops (the "
-           "full run takes about 20 min).\n" if ops else
+           "full run takes about 20 min)." if ops else
            "A mean over an empty "
            "selection (a masked loss with no valid element) is 0 / 0 = NaN, and OpInfo's samples are "
            "never empty, so the census above cannot see it. Here every sample of every op (the first "
