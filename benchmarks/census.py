@@ -26,6 +26,13 @@ is reported. Each op is probed in a forked child process, so an op that crashes 
 
     python benchmarks/census.py [--ops a,b] [--dtypes float32,float16] [--samples 5]
         [--out docs/census.md] [--json census.json] [--no-verify] [--no-isolate]
+        [--empty | --groups]
+
+``--empty`` (issue 39) cuts every sample to zero-size operands; ``--groups`` (issue 48) gives
+every op that reduces over groups (segments, bags, index slots, masked rows, ignored targets)
+one empty group; each writes its own section of ``--out``. Both run each case as torch runs it,
+under ``nanpass.harden`` and under ``nanpass.backend``, and run each op in forked children: a case
+that crashes the process is recorded and left unprobed, and the op's other cases still run.
 
 The full census (all ops, four dtypes) takes about two minutes on one CPU core.
 ``tests/test_census.py`` re-runs a subset and fails on a new unguarded op.
@@ -41,6 +48,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -1002,20 +1010,26 @@ _GRAPH_BREAK = ("under the backend only: dynamo graph-breaks on it (docs/guards.
                 "`torch.compile(nanpass.harden(model))`")
 EMPTY_SECTION = "## Zero-size operands"
 EMPTY_CMD = "python benchmarks/census.py --empty --out docs/census.md"
+EMPTY_RERUN = "### Re-run of the ops whose case crashed"  # the subsection of an --empty --ops run
 
 
 @dataclass
 class EmptyResult:
-    """One op on zero-size operands: the first non-finite result (or error where torch ran)
-    under each runner ("torch", "harden", "backend"); empty strings where all was finite."""
+    """One op's cases (zero-size operands, or one empty group): the first non-finite result (or
+    error where torch ran) under each runner ("torch", "harden", "backend"); empty where all
+    was finite."""
 
     id: str
     name: str
     probed: int = 0
     found: dict = field(default_factory=dict)  # runner -> example
-    crashed: str = ""
+    crashed: list = field(default_factory=list)  # "dtype, sample i, case (runner): SIGNAL", left unprobed
+    died: str = ""  # the op's child died outside any case (making its samples): the op is unprobed
     status: str = ""  # finite | guarded | accepted | UNGUARDED
     detail: str = ""
+    kind: str = ""  # group census: segment | index | bag | mask | ignore
+    done: list = field(default_factory=list)  # (dtype, sample, case) run: where a resumed child starts
+    compiled: int = 0  # cases run under the backend (backend_cases counts them)
 
 
 def empty_variants(sample):
@@ -1074,66 +1088,99 @@ class _Call(torch.nn.Module):
 EMPTY_SAMPLES = 12  # samples per op and dtype: OpInfo lists a loss's reductions a few samples apart
 
 
-def empty_op(op, dtypes, samples: int = EMPTY_SAMPLES, backend: bool = True,
-             backend_cases: int = 2) -> EmptyResult:
-    """Every sample of ``op`` cut to no element (``empty_variants``), in each dtype: as torch
-    runs it, under ``nanpass.harden``, and (float32, the cases torch breaks on, else the
-    first ``backend_cases`` of a guarded op) under ``nanpass.backend(inner="aot_eager")``.
-    A case torch refuses (it raises) is not a finding; one that harden or the backend breaks
-    where torch runs is."""
+def _empty_cases(op, dtype, bwd, samples):
+    """[(sample index, [(description, operands)])] of the zero-size census: the samples whose
+    input has a dim to cut (OpInfo lists 0-d inputs first), the first of each reduction a
+    loss's samples name (OpInfo lists 'none' first), then the others in order."""
+    every = [s for s in itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=bool(bwd)), 256)
+             if isinstance(s.input, torch.Tensor) and s.input.ndim]
+    firsts = list({repr(s.kwargs.get("reduction")): s for s in reversed(every)}.values())[::-1]
+    picked = (firsts + [s for s in every if not any(s is f for f in firsts)])[:samples]
+    out = []
+    for si, sample in enumerate(picked):
+        try:
+            out.append((si, list(empty_variants(sample))))
+        except Exception:  # noqa: BLE001 - a sample that cannot be cut (a sparse layout)
+            continue
+    return out
+
+
+def _run_cases(op, dtypes, make_cases, samples, backend=True, backend_cases=2, res=None,
+               skip=frozenset(), on_case=None, after_case=None, fn=None) -> EmptyResult:
+    """Every case ``make_cases(op, dtype, bwd, samples)`` gives, in each dtype: as torch runs
+    it, under ``nanpass.harden``, and (float32, the cases torch breaks on, else the first
+    ``backend_cases`` of a guarded op) under ``nanpass.backend(inner="aot_eager")``. A case
+    torch refuses (it raises) is not a finding; one that harden or the backend breaks where
+    torch runs is. ``res``: a result to go on with (after a crash), ``skip``: the cases
+    (dtype, sample, description) not to run, ``on_case(key)`` before and ``after_case(res)``
+    after each case (``_isolated`` reports through them). ``fn``: the call (OpInfo's, by
+    default)."""
     import nanpass
 
-    res = EmptyResult(op_id(op), op.name)
+    res = res if res is not None else EmptyResult(op_id(op), op.name)
     if op.name in SKIP:
         return res
-    fn = _wrapped(op)
+    fn = fn or _wrapped(op)
     hardened = nanpass.harden(_Call(fn))
     guarded = bool(rules_for(op)[0])
-    compiled = 0
     for dname in dtypes:
         dtype = DTYPES[dname]
         if dtype not in op.supported_dtypes("cpu"):
             continue
         bwd = op.supports_autograd and dtype in op.supported_backward_dtypes("cpu")
-        try:  # samples whose input has a dim to cut (OpInfo lists 0-d inputs first)
-            every = [s for s in itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=bool(bwd)), 256)
-                     if isinstance(s.input, torch.Tensor) and s.input.ndim]
-        except Exception:  # noqa: BLE001 - no samples: nothing to cut
+        torch.manual_seed(0)  # the same samples in a child that goes on after a crash
+        try:
+            picked = make_cases(op, dtype, bwd, samples)
+        except Exception:  # noqa: BLE001 - no samples: nothing to probe
             continue
-        # the first of each reduction a loss's samples name (OpInfo lists 'none' first), then
-        # the others in order
-        firsts = list({repr(s.kwargs.get("reduction")): s for s in reversed(every)}.values())[::-1]
-        picked = (firsts + [s for s in every if not any(s is f for f in firsts)])[:samples]
-        for sample in picked:
-            try:
-                cases = list(empty_variants(sample))
-            except Exception:  # noqa: BLE001 - a sample that cannot be cut (a sparse layout)
-                continue
+        for si, cases in picked:
             for desc, (inp, args, kwargs) in cases:
-                call = f"{_call_str(op, *tree_flatten((inp, args, kwargs)), None)}, {desc}"
-                try:
-                    bad = _empty_check(fn, inp, args, kwargs)
-                except Exception:  # noqa: BLE001 - torch refuses zero-size operands here
+                key = (dname, si, desc)
+                if key in skip:
                     continue
-                res.probed += 1
-                if bad:
-                    res.found.setdefault("torch", f"{dname}: {call} -> {bad}")
-                runners = [("harden", hardened)]
-                if backend and dname == dtypes[0] and (bad or (guarded and compiled < backend_cases)):
-                    compiled += 1
-                    torch._dynamo.reset()
-                    runners.append(("backend", torch.compile(
-                        _Call(fn), backend=nanpass.backend(inner="aot_eager"))))
-                for runner, f in runners:
-                    try:
-                        worse = _empty_check(f, inp, args, kwargs)
-                    except Exception as e:  # noqa: BLE001 - torch ran it: an error is a finding
-                        worse = f"raised {type(e).__name__}: {str(e).splitlines()[0][:100]}"
-                        if runner == "backend" and _plain_compile_raises(fn, inp, args, kwargs):
-                            worse = None  # torch's own: the plain op does not compile either
-                    if worse:
-                        res.found.setdefault(runner, f"{dname}: {call} -> {worse}")
+                if on_case is not None:
+                    on_case(key)
+                _run_case(res, op, fn, hardened, guarded, dname, dtypes, desc, inp, args, kwargs,
+                          backend, backend_cases)
+                res.done.append(key)
+                if after_case is not None:
+                    after_case(res)
     return res
+
+
+def _run_case(res, op, fn, hardened, guarded, dname, dtypes, desc, inp, args, kwargs, backend,
+              backend_cases) -> None:
+    import nanpass
+
+    call = f"{_call_str(op, *tree_flatten((inp, args, kwargs)), None)}, {desc}"
+    try:
+        bad = _empty_check(fn, inp, args, kwargs)
+    except Exception:  # noqa: BLE001 - torch refuses these operands
+        return
+    res.probed += 1
+    if bad:
+        res.found.setdefault("torch", f"{dname}: {call} -> {bad}")
+    runners = [("harden", hardened)]
+    if backend and dname == dtypes[0] and (bad or (guarded and res.compiled < backend_cases)):
+        res.compiled += 1
+        torch._dynamo.reset()
+        runners.append(("backend", torch.compile(_Call(fn), backend=nanpass.backend(inner="aot_eager"))))
+    for runner, f in runners:
+        try:
+            worse = _empty_check(f, inp, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - torch ran it: an error is a finding
+            worse = f"raised {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            if runner == "backend" and _plain_compile_raises(fn, inp, args, kwargs):
+                worse = None  # torch's own: the plain op does not compile either
+        if worse:
+            res.found.setdefault(runner, f"{dname}: {call} -> {worse}")
+
+
+def empty_op(op, dtypes, samples: int = EMPTY_SAMPLES, backend: bool = True,
+             backend_cases: int = 2, **resume) -> EmptyResult:
+    """Every sample of ``op`` cut to no element (``empty_variants``), in each dtype, through
+    ``_run_cases``."""
+    return _run_cases(op, dtypes, _empty_cases, samples, backend, backend_cases, **resume)
 
 
 def _plain_compile_raises(fn, inp, args, kwargs) -> bool:
@@ -1163,7 +1210,10 @@ def empty_accepted_reason(op, harden_finite: bool = True) -> str | None:
     return reason
 
 
-def classify_empty(op, res: EmptyResult) -> None:
+def classify_empty(op, res: EmptyResult, accepted=None) -> None:
+    """finite / guarded / accepted (``accepted(op, harden_finite)``: empty_accepted_reason by
+    default) / UNGUARDED."""
+    accepted = accepted or empty_accepted_reason
     if not res.found:
         res.status = "finite"
         return
@@ -1171,7 +1221,7 @@ def classify_empty(op, res: EmptyResult) -> None:
     if "harden" not in res.found and "backend" not in res.found:
         res.status, res.detail = "guarded", ", ".join(rules) or "-"
         return
-    reason = empty_accepted_reason(op, "harden" not in res.found)
+    reason = accepted(op, "harden" not in res.found)
     if reason:
         res.status, res.detail = "accepted", reason
     else:
@@ -1179,16 +1229,77 @@ def classify_empty(op, res: EmptyResult) -> None:
         res.detail = "; ".join(f"{k}: {v}" for k, v in res.found.items() if k != "torch")
 
 
-def empty_census(ops, dtypes, samples=EMPTY_SAMPLES, backend=True, progress=None,
-                 isolate=True) -> list[EmptyResult]:
-    """Every op on zero-size operands; ``isolate``: each op in a forked child, so that one that
-    crashes the process (native_batch_norm divides by zero in C++ on an empty batch: SIGFPE)
-    is recorded and the census goes on."""
-    import pickle
+def _signal_name(status: int) -> str:
     import signal
 
+    return (signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status)
+            else f"exit status {os.WEXITSTATUS(status)}")
+
+
+def _isolated(op, run, res: EmptyResult) -> EmptyResult:
+    """``run(op, res=, skip=, on_case=, after_case=)`` in a forked child, one case at a time
+    reported back: a case that crashes the process (``_segment_reduce.lengths`` on a zero-size
+    operand: SIGSEGV) is recorded in ``res.crashed`` and left unprobed, and a new child goes on
+    with the op's other cases."""
+    import pickle
+
+    crashed: dict[tuple, str] = {}
+    while True:
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the op's cases not yet run, one message each
+            import faulthandler
+
+            faulthandler.disable()  # a crash is recorded here, its signal is the report
+            os.close(rfd)
+            out = os.fdopen(wfd, "wb")
+
+            def send(msg, out=out):
+                pickle.dump(msg, out)
+                out.flush()
+
+            try:
+                r = run(op, res=res, skip=frozenset(res.done) | frozenset(crashed),
+                        on_case=lambda key: send(("at", key)),
+                        after_case=lambda r: send(("case", r)))
+                send(("done", r))
+            finally:
+                os._exit(0)
+        os.close(wfd)
+        at, final = None, None
+        with os.fdopen(rfd, "rb") as f:
+            while True:
+                try:
+                    msg = pickle.load(f)
+                except (EOFError, pickle.UnpicklingError):
+                    break
+                if msg[0] == "at":
+                    at = msg[1]
+                elif msg[0] == "case":
+                    res, at = msg[1], None
+                else:
+                    final = msg[1]
+        _, status = os.waitpid(pid, 0)
+        if final is not None:
+            res = final
+            break
+        why = _signal_name(status)
+        if at is None or at in crashed:  # died outside a case: the rest of the op is unprobed
+            res.died = why
+            break
+        crashed[at] = why
+    res.crashed = [f"{d}, sample {si}, {desc}: {why}" for (d, si, desc), why in crashed.items()]
+    return res
+
+
+def _case_census(ops, run, progress=None, isolate=True, classify=classify_empty,
+                 fresh=None) -> list[EmptyResult]:
+    """``run(op, res=, skip=, on_case=, after_case=)`` for every op; ``isolate``: each op in
+    forked children, a child per crash (``_isolated``), so that a case that crashes the process
+    is recorded and the op's other cases, and the census, go on."""
     import nanpass
 
+    fresh = fresh or (lambda op: EmptyResult(op_id(op), op.name))
     results = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -1197,30 +1308,11 @@ def empty_census(ops, dtypes, samples=EMPTY_SAMPLES, backend=True, progress=None
             warnings.simplefilter("ignore")
             nanpass.harden(_Call(torch.mean))(torch.zeros(0))  # imported once, not in each child
             for i, op in enumerate(ops):
-                if not (isolate and hasattr(os, "fork")):
-                    r = empty_op(op, dtypes, samples, backend)
+                if isolate and hasattr(os, "fork"):
+                    r = _isolated(op, run, fresh(op))
                 else:
-                    rfd, wfd = os.pipe()
-                    pid = os.fork()
-                    if pid == 0:
-                        os.close(rfd)
-                        try:
-                            with os.fdopen(wfd, "wb") as out:
-                                pickle.dump(empty_op(op, dtypes, samples, backend), out)
-                        finally:
-                            os._exit(0)
-                    os.close(wfd)
-                    with os.fdopen(rfd, "rb") as f:
-                        try:
-                            r = pickle.load(f)
-                        except EOFError:
-                            r = None
-                    _, status = os.waitpid(pid, 0)
-                    if r is None:
-                        why = (signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status)
-                               else f"exit status {os.WEXITSTATUS(status)}")
-                        r = EmptyResult(op_id(op), op.name, crashed=why)
-                classify_empty(op, r)
+                    r = run(op, res=fresh(op))
+                classify(op, r)
                 results.append(r)
                 if progress:
                     progress(i, len(ops), r)
@@ -1229,72 +1321,447 @@ def empty_census(ops, dtypes, samples=EMPTY_SAMPLES, backend=True, progress=None
     return results
 
 
-def render_empty(results: list[EmptyResult], dtypes, seconds: float) -> str:
+def empty_census(ops, dtypes, samples=EMPTY_SAMPLES, backend=True, progress=None,
+                 isolate=True) -> list[EmptyResult]:
+    """Every op on zero-size operands; ``isolate``: each case that crashes the process
+    (native_batch_norm divides by zero in C++ on an empty batch: SIGFPE) is recorded, the
+    op's other cases and the census go on."""
+
+    def run(op, **resume):
+        return empty_op(op, dtypes, samples, backend, **resume)
+
+    return _case_census(ops, run, progress, isolate)
+
+
+def _crash_lines(results) -> list[str]:
+    """One bullet per op whose case crashed the process: each crashed case (left unprobed)."""
+    out = []
+    for r in results:
+        if r.crashed or r.died:
+            what = "; ".join(_md(c) for c in r.crashed)
+            if r.died:
+                what += ("; " if what else "") + f"died outside any case ({r.died}): the op is unprobed"
+            out.append(f"  - `{r.id}` ({r.probed} cases probed): {what}")
+    return out
+
+
+def render_empty(results: list[EmptyResult], dtypes, seconds: float, ops=None) -> str:
     found = sorted((r for r in results if r.found), key=lambda r: ({"UNGUARDED": 0, "guarded": 1,
                                                                     "accepted": 2}[r.status], r.id))
-    crashed = [r for r in results if r.crashed]
-
-    def runner(r, name):
-        if name in r.found:
-            return _md(r.found[name])
-        return "finite" if name != "backend" or "torch" not in r.found else "finite"
-
+    crashes = _crash_lines(results)
+    cmd = EMPTY_CMD + (f" --ops {','.join(ops)}" if ops else "")
     lines = [
-        EMPTY_SECTION,
+        EMPTY_SECTION if not ops else EMPTY_RERUN,
         "",
-        f"Generated by `{EMPTY_CMD}` (this section only) with torch {torch.__version__} (CPU), in "
-        f"{seconds / 60:.1f} min; `tests/test_census.py` re-runs a subset. A mean over an empty "
-        "selection (a masked loss with no valid element) is 0 / 0 = NaN, and OpInfo's samples are "
-        "never empty, so the census above cannot see it. Here every sample of every op (the first "
-        f"{EMPTY_SAMPLES} with an input of a dim or more, in {', '.join(dtypes)}) is cut to no element: each tensor sharing the input's leading "
-        "size cut to 0 there, the same for the last dim, and every dim of every tensor. Each case "
-        "runs as torch runs it, under `nanpass.harden`, and (float32: every case torch breaks "
-        "on, and the first two of each guarded op) under `nanpass.backend(inner=\"aot_eager\")`. "
-        "A value or gradient (against an all-ones upstream: a zero-size operand's gradient is "
-        "zero-size, a weight's must be finite) that is not finite is a finding; a case torch "
-        "refuses (it raises) is not. Status: **guarded** (finite under harden and the backend), "
-        "**accepted** (a reason in `EMPTY_ACCEPTED` in `benchmarks/census.py`), **UNGUARDED** "
-        "(neither: `tests/test_census.py` fails).",
+        f"Generated by `{cmd}` (this {'section' if not ops else 'subsection'} only) with torch "
+        f"{torch.__version__} (CPU), in {seconds / 60:.1f} min; `tests/test_census.py` re-runs a subset. "
+        + (f"A re-run of {len(ops)} ops only (those whose case crashed the process), each crashing case "
+           "now alone in a forked child: it supersedes the crash bullet above for these ops (the "
+           "full run takes about 20 min)." if ops else
+           "A mean over an empty "
+           "selection (a masked loss with no valid element) is 0 / 0 = NaN, and OpInfo's samples are "
+           "never empty, so the census above cannot see it. Here every sample of every op (the first "
+           f"{EMPTY_SAMPLES} with an input of a dim or more, in {', '.join(dtypes)}) is cut to no element: each tensor sharing the input's leading "
+           "size cut to 0 there, the same for the last dim, and every dim of every tensor. " + _RUNNERS_TEXT
+           + " Status: **guarded** (finite under harden and the backend), "
+           "**accepted** (a reason in `EMPTY_ACCEPTED` in `benchmarks/census.py`), **UNGUARDED** "
+           "(neither: `tests/test_census.py` fails)."),
         "",
         f"- Ops probed on zero-size operands: {sum(1 for r in results if r.probed)}; non-finite as "
         f"torch runs them: **{sum('torch' in r.found for r in results)}**; guarded "
         f"{sum(r.status == 'guarded' for r in results)}, accepted "
         f"{sum(r.status == 'accepted' for r in results)}, UNGUARDED "
         f"{sum(r.status == 'UNGUARDED' for r in results)}.",
-        "- Crashed the process on a zero-size operand (run in a forked child, the op is then "
-        "skipped; torch's kernel, out of reach of a guard that runs the op): " + (
-            ", ".join(f"`{r.id}` ({r.crashed})" for r in crashed) if crashed else "none") + ".",
+        "- " + _CRASH_TEXT + (":" if crashes else ": none."),
+        *crashes,
         "",
     ]
-    if found:
-        lines += ["| op | as torch runs it | status |", "|---|---|---|"]
-        for r in found:
-            status = {"guarded": f"guarded: {r.detail} (finite under harden and the backend)",
-                      "accepted": f"accepted: {r.detail}",
-                      "UNGUARDED": f"UNGUARDED ({r.detail})"}[r.status]
-            ex = r.found.get("torch", "finite (" + "; ".join(f"{k}: {v}" for k, v in r.found.items()) + ")")
-            if r.status == "accepted":
-                ex += "; " + "; ".join(f"{k}: {v}" for k, v in r.found.items() if k != "torch")
-            lines.append(f"| `{r.id}` | {_md(ex)} | {_md(status)} |")
-        lines.append("")
+    lines += _findings_table(found)
     return "\n".join(lines)
 
 
-def write_empty_section(path: str, text: str) -> None:
-    """Replace (or add, before the hand-written section) the zero-size section of census.md."""
+_RUNNERS_TEXT = (
+    "Each case runs as torch runs it, under `nanpass.harden`, and (float32: every case torch breaks "
+    "on, and the first two of each guarded op) under `nanpass.backend(inner=\"aot_eager\")`. A value "
+    "or gradient (against an all-ones upstream: a zero-size operand's gradient is zero-size, a "
+    "weight's must be finite) that is not finite is a finding; a case torch refuses (it raises) is "
+    "not.")
+_CRASH_TEXT = ("Cases that crashed the process (torch's kernel, out of reach of a guard that runs "
+               "the op; each ran alone in a forked child and is left unprobed, the op's other cases "
+               "ran)")
+
+
+def _findings_table(found) -> list[str]:
+    if not found:
+        return []
+    lines = ["| op | as torch runs it | status |", "|---|---|---|"]
+    for r in found:
+        status = {"guarded": f"guarded: {r.detail} (finite under harden and the backend)",
+                  "accepted": f"accepted: {r.detail}",
+                  "UNGUARDED": f"UNGUARDED ({r.detail})"}[r.status]
+        ex = r.found.get("torch", "finite (" + "; ".join(f"{k}: {v}" for k, v in r.found.items()) + ")")
+        if r.status == "accepted":
+            ex += "; " + "; ".join(f"{k}: {v}" for k, v in r.found.items() if k != "torch")
+        lines.append(f"| `{r.id}` | {_md(ex)} | {_md(status)} |")
+    lines.append("")
+    return lines
+
+
+def write_section(path: str, text: str, heading: str, before: str = "## Real bugs beyond the census",
+                  level: str = "## ") -> None:
+    """Replace (or add, before ``before``) the section of census.md that starts with ``heading``
+    (up to the next heading of ``level`` or above)."""
     with open(path) as f:
         doc = f.read()
-    start = doc.find(EMPTY_SECTION)
+    start = doc.find(heading + "\n")
     if start >= 0:
-        end = doc.find("\n## ", start + len(EMPTY_SECTION))
-        end = len(doc) if end < 0 else end + 1
+        stops = ["\n## "] if level == "## " else ["\n## ", "\n### "]
+        ends = [e for e in (doc.find(s, start + len(heading)) for s in stops) if e >= 0]
+        end = min(ends) + 1 if ends else len(doc)
         doc = doc[:start] + text + "\n" + doc[end:]
     else:
-        at = doc.find("## Real bugs beyond the census")
+        at = doc.find(before)
         at = len(doc) if at < 0 else at
         doc = doc[:at] + text + "\n" + doc[at:]
     with open(path, "w") as f:
         f.write(doc)
+
+
+def write_empty_section(path: str, text: str) -> None:
+    """Replace (or add, before the hand-written section) the zero-size section of census.md."""
+    write_section(path, text, EMPTY_SECTION)
+
+
+# --------------------------------------------------------------------------------------------
+# empty groups (issue 48): a segment, bag, index slot or masked row with no element
+# --------------------------------------------------------------------------------------------
+GROUPS_SECTION = "## Empty groups"
+GROUPS_CMD = "python benchmarks/census.py --groups --out docs/census.md"
+GROUP_SAMPLES = 4  # transformable samples per op and dtype
+
+# how an op's groups are named: a parameter (its signature, or a keyword its samples pass) or
+# its name; the first that matches gives its kind
+_GROUP_PARAMS = (("lengths", "segment"), ("offsets", "segment"), ("include_self", "index"),
+                 ("mask", "mask"), ("input_mask", "mask"), ("other_mask", "mask"),
+                 ("attn_mask", "mask"), ("key_padding_mask", "mask"), ("ignore_index", "ignore"))
+_INDEX_REDUCTIONS = {"scatter", "scatter_add", "scatter_reduce", "index_add", "index_reduce", "put",
+                     "index_put", "_unsafe_masked_index_put_accumulate"}
+# names that look like a grouping: every op they match is probed (a kind) or has a reason here
+_GROUP_NAMES = re.compile(r"segment|scatter|index_(add|reduce|put)|^put$|embedding_bag|^masked\.|"
+                          r"unique|histc|histogram|bincount|^nn\.functional\.(nll_loss|cross_entropy)$")
+_COPY = "writes given values at given positions (a copy): no reduction, so no group to empty"
+NOT_GROUPS: dict[str, str] = {
+    "diagonal_scatter": _COPY, "select_scatter": _COPY, "slice_scatter": _COPY,
+    "as_strided_scatter": _COPY, "masked_scatter": _COPY,
+    "unique": "groups equal values, returns each value and an integer count: no float reduction",
+    "unique_consecutive": "groups equal runs, returns each value and an integer count: no float reduction",
+    "histc": "an empty bin is a count of 0 (its all-empty case, density over no sample, is in the "
+             "zero-size section)",
+    "histogram": "an empty bin is a count of 0 (its all-empty case, density over no sample, is in "
+                 "the zero-size section)",
+    "histogramdd": "an empty bin is a count of 0 (its all-empty case, density over no sample, is "
+                   "in the zero-size section)",
+    "bincount": "an empty bin is a count (or a sum of weights) of 0",
+}
+
+# Why an op's result on an empty group may stay non-finite under nanpass.harden or its backend.
+_MASKED_IDENTITY = ("torch.masked prototype op (not used in models): a fully masked row is the "
+                    "reduction of nothing, its identity ({}); torch.masked masks that output out "
+                    "(torch.masked._output_mask), and a model writes masked pooling with plain ops "
+                    "and a finite fill (sentence-transformers' max pooling fills -1e9); the plain "
+                    "ops' empty groups are guarded (softmax of a -inf row, mean, var, logsumexp)")
+_LCE_IGNORED = ("every target ignored is 0 / 0 = NaN, as in F.cross_entropy (pytorch#116349), whose "
+                "rule guards it; F.linear_cross_entropy (new in torch 2.13, a fused linear and cross "
+                "entropy) is guarded only on empty operands (the mse_loss rule, which leaves every "
+                "non-empty call as written): a guard of an all-ignored batch must fence the fused "
+                "op's gradient; known gap, left for a follow-up")
+GROUPS_ACCEPTED: dict[str, str] = {
+    "masked.amax": _MASKED_IDENTITY.format("-inf"),
+    "masked.amin": _MASKED_IDENTITY.format("+inf"),
+    "masked.median": _MASKED_IDENTITY.format("NaN"),
+    "index_reduce.prod": "float16 only: the sample's product itself overflows (" + _PRODUCT + "); "
+                         "the slot no index hits keeps its input value",
+    "scatter_reduce.prod": "float16 only: the sample's product itself overflows (" + _PRODUCT + "); "
+                           "the slot no index hits keeps its input value",
+    "nn.functional.linear_cross_entropy": _LCE_IGNORED,
+    "nn.functional.linear_cross_entropy.chunked": _LCE_IGNORED,
+}
+# finite under nanpass.harden, not under the backend: the reason holds only where harden is finite
+_MASKED_TRACED = ("under the backend only: torch.masked prototype op (not used in models); dynamo "
+                  "traces its Python into the fill of the masked-out elements and a plain reduction "
+                  "of a row with nothing left (a softmax of a -inf row, a sum divided by a count of "
+                  "0); `nanpass.harden` guards the call")
+GROUPS_BACKEND_ONLY: dict[str, str] = {
+    "masked." + _name: _MASKED_TRACED
+    for _name in ("log_softmax", "logaddexp", "logsumexp", "mean", "softmax", "softmin", "std", "var",
+                  "normalize")
+}
+
+
+def _params(op) -> set[str]:
+    """The op's parameter names: its signature's, and the keywords its float32 samples pass."""
+    import inspect
+
+    names: set[str] = set()
+    try:
+        names |= set(inspect.signature(op.op).parameters)
+    except (TypeError, ValueError):  # a builtin
+        pass
+    try:
+        for s in itertools.islice(op.sample_inputs("cpu", torch.float32), 64):
+            names |= set(s.kwargs)
+    except Exception:  # noqa: BLE001
+        pass
+    return names
+
+
+def group_kind(op, params=None) -> str | None:
+    """segment | bag | index | mask | ignore, or None: how to give ``op`` one empty group."""
+    if op.name == "nn.functional.embedding_bag":
+        return "bag"
+    params = _params(op) if params is None else params
+    if op.name in _INDEX_REDUCTIONS:
+        return "index"
+    for p, kind in _GROUP_PARAMS:
+        if p in params:
+            return kind
+    return None
+
+
+def group_ops(ops):
+    """(ops with a kind, [(op, reason)] of the ops whose name looks like a grouping but that have
+    none): every op whose parameters name a group (lengths, offsets, a mask, include_self,
+    ignore_index) or whose name is a segment / scatter / index / bag reduction."""
+    probed, left = [], []
+    for op in ops:
+        kind = group_kind(op)
+        if kind is not None:
+            probed.append((op, kind))
+        elif _GROUP_NAMES.search(op.name):
+            left.append((op, NOT_GROUPS.get(op_id(op)) or NOT_GROUPS.get(op.name)
+                         or "no transform to an empty group (add one, or a reason in NOT_GROUPS)"))
+    return probed, left
+
+
+def _fresh(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone().requires_grad_(x.requires_grad)
+    return x
+
+
+def group_variants(op, kind: str, sample):
+    """(description, (input, args, kwargs)) of ``sample`` with one empty group inside its
+    otherwise ordinary operands; nothing where this sample cannot hold one."""
+    inp, args, kwargs = tree_unflatten(
+        [_fresh(x) for x in tree_flatten((sample.input, list(sample.args), dict(sample.kwargs)))[0]],
+        tree_flatten((sample.input, list(sample.args), dict(sample.kwargs)))[1])
+    if kind == "segment":
+        for name in ("lengths", "offsets"):
+            t = kwargs.get(name)
+            if isinstance(t, torch.Tensor):
+                front = torch.zeros_like(t[..., :1]) if name == "lengths" else t[..., :1]
+                kwargs[name] = torch.cat([front, t], -1)
+                desc = ("a segment of length 0 in front" if name == "lengths"
+                        else "a repeated first offset (an empty first segment)")
+                yield desc, (inp, tuple(args), kwargs)
+                if "initial" in kwargs:  # the sample gives the empty segment a value: also without
+                    k2 = {k: v for k, v in kwargs.items() if k != "initial"}
+                    yield desc + ", no initial=", (inp, tuple(args), k2)
+                return
+    elif kind == "bag":
+        idx, offsets, pad = args[0], kwargs.get("offsets"), kwargs.get("padding_idx")
+        if isinstance(offsets, torch.Tensor) and offsets.numel():
+            kwargs["offsets"] = torch.cat([offsets[:1], offsets])
+            yield "an empty first bag (a repeated offset)", (inp, tuple(args), kwargs)
+        elif idx.ndim == 2 and pad is not None:
+            args[0] = idx.clone()
+            args[0][0] = pad if pad >= 0 else inp.shape[0] + pad
+            yield "an empty first bag (every index of its row = padding_idx)", (inp, tuple(args), kwargs)
+    elif kind == "index":
+        leaves, tree = tree_flatten(args)
+        at = next((i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)
+                   and not t.is_floating_point() and t.dtype != torch.bool), None)
+        if at is None:
+            return
+        idx = leaves[at]
+        vals = torch.unique(idx)
+        if vals.numel() < 2:
+            return
+        k, j = vals[0], vals[1]
+        leaves[at] = torch.where(idx == k, j, idx)
+        if "include_self" in kwargs:
+            kwargs["include_self"] = False
+        yield (f"index {int(k)} never hit (mapped to {int(j)})"
+               + (", include_self=False" if "include_self" in kwargs else ""),
+               (inp, tuple(tree_unflatten(leaves, tree)), kwargs))
+    elif kind == "mask":
+        yield from _mask_variants(op, inp, args, kwargs)
+    elif kind == "ignore":
+        at = next((i for i, t in enumerate(args) if isinstance(t, torch.Tensor)
+                   and not t.is_floating_point()), None)  # the class-index target
+        if at is None:
+            return
+        ignore = kwargs.get("ignore_index", -100)
+        args[at] = torch.full_like(args[at], ignore)
+        yield f"every target = ignore_index ({ignore}): no counted target", (inp, tuple(args), kwargs)
+
+
+def _mask_variants(op, inp, args, kwargs):
+    import inspect
+
+    if op.name.startswith("masked.") and isinstance(inp, torch.Tensor):
+        if inp.ndim == 0:  # masked out, a 0-d operand is the op's masked-out fill: no group
+            return
+        sig = inspect.signature(op.op)
+        names = [n for n in ("mask", "input_mask", "other_mask") if n in sig.parameters]
+        try:
+            bound = sig.bind(inp, *args, **kwargs)
+        except TypeError:
+            return
+        bound.apply_defaults()
+        dim = bound.arguments.get("dim")
+        nd = inp.ndim
+        if dim is None or names != ["mask"]:  # a full reduction, or elementwise: the first element
+            dims = set(range(nd)) if dim is None and names == ["mask"] else set()
+        else:
+            dims = {d % max(nd, 1) for d in ((dim,) if isinstance(dim, int) else dim)}
+        sel = tuple(slice(None) if d in dims else 0 for d in range(nd))
+        for n in names:
+            m = kwargs.get(n)
+            m = (torch.ones(inp.shape, dtype=torch.bool) if m is None
+                 else m.expand(inp.shape).clone())
+            m[sel] = False
+            kwargs[n] = m
+        what = ("every element masked out (dim=None: the only group)" if dims == set(range(nd)) and nd
+                else "the first element masked out of every operand" if not dims
+                else f"the first row over dim {sorted(dims)} masked out")
+        yield what, (inp, tuple(args), kwargs)
+        return
+    m = kwargs.get("attn_mask")
+    if isinstance(m, torch.Tensor):
+        m = m.detach().clone()
+        hidden = True if "multi_head" in op.name else False  # MHA: True = not attended; SDPA: True = attended
+        m[..., 0, :] = hidden if m.dtype == torch.bool else -math.inf
+        kwargs["attn_mask"] = m
+        yield ("attention mask hides every key from query 0"
+               + (" (-inf, as masked_fill writes it)" if m.is_floating_point() else "")), \
+            (inp, tuple(args), kwargs)
+
+
+def _group_cases(kind):
+    def make(op, dtype, bwd, samples):
+        out = []
+        for s in itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=bool(bwd)), 64):
+            try:
+                cases = list(group_variants(op, kind, s))
+            except Exception:  # noqa: BLE001 - a sample this transform does not fit
+                continue
+            if cases:
+                out.append(cases)
+        # a group emptied among others first (a masked row, not a reduction of everything)
+        out.sort(key=lambda cases: cases[0][0].startswith("every element masked out"))
+        return list(enumerate(out[:samples]))
+
+    return make
+
+
+def groups_op(op, kind: str, dtypes, samples: int = GROUP_SAMPLES, backend: bool = True,
+              backend_cases: int = 2, **resume) -> EmptyResult:
+    """``op``'s samples with one empty group each (``group_variants``), through ``_run_cases``,
+    as a user calls the op (``_user_call``)."""
+    return _run_cases(op, dtypes, _group_cases(kind), samples, backend, backend_cases,
+                      fn=_user_call(op), **resume)
+
+
+def _user_call(op):
+    """The op as a user calls it: OpInfo's wrapper, except the one of the ``torch.masked`` ops
+    (``gradcheck_wrapper_masked_operation``), which zeroes the outputs whose mask is all False:
+    exactly the empty groups this census looks at."""
+    if getattr(op.gradcheck_wrapper, "__name__", "").startswith("gradcheck_wrapper_masked"):
+        return op.op
+    return _wrapped(op)
+
+
+def groups_accepted_reason(op, harden_finite: bool = True) -> str | None:
+    """Why ``op`` may stay non-finite on an empty group: ``GROUPS_ACCEPTED``, or (when harden is
+    finite there) ``GROUPS_BACKEND_ONLY`` or the graph break of the rule that guards it."""
+    reason = GROUPS_ACCEPTED.get(op_id(op)) or GROUPS_ACCEPTED.get(op.name)
+    if reason is None and harden_finite:
+        reason = GROUPS_BACKEND_ONLY.get(op_id(op)) or GROUPS_BACKEND_ONLY.get(op.name)
+    if reason is None and harden_finite and _breaks_in_dynamo(rules_for(op)[0]):
+        reason = _GRAPH_BREAK
+    return reason
+
+
+def classify_groups(op, res: EmptyResult) -> None:
+    classify_empty(op, res, groups_accepted_reason)
+
+
+def groups_census(ops, dtypes, samples=GROUP_SAMPLES, backend=True, progress=None, isolate=True,
+                  kinds=None):
+    """(results, [(op, reason)] left out): every op with a kind (``group_ops``), each case
+    that crashes the process in a forked child of its own."""
+    if kinds is None:
+        probed, left = group_ops(ops)
+    else:
+        probed, left = [(op, kinds[op_id(op)]) for op in ops], []
+    kind_of = {op_id(op): k for op, k in probed}
+
+    def run(op, **resume):
+        return groups_op(op, kind_of[op_id(op)], dtypes, samples, backend, **resume)
+
+    def fresh(op):
+        return EmptyResult(op_id(op), op.name, kind=kind_of[op_id(op)])
+
+    return _case_census([op for op, _ in probed], run, progress, isolate, classify_groups, fresh), left
+
+
+def render_groups(results, left, dtypes, seconds: float, ops=None) -> str:
+    found = sorted((r for r in results if r.found), key=lambda r: ({"UNGUARDED": 0, "guarded": 1,
+                                                                    "accepted": 2}[r.status], r.id))
+    crashes = _crash_lines(results)
+    cmd = GROUPS_CMD + (f" --ops {','.join(ops)}" if ops else "")
+    by_kind: dict[str, list[str]] = {}
+    for r in results:
+        by_kind.setdefault(r.kind, []).append(f"`{r.id}`" + ("" if r.probed else " (no case)"))
+    lines = [
+        GROUPS_SECTION,
+        "",
+        f"Generated by `{cmd}` (this section only) with torch {torch.__version__} (CPU), in "
+        f"{seconds / 60:.1f} min; `tests/test_census.py` re-runs a subset. "
+        + (f"Restricted to {len(ops)} ops (`--ops`). " if ops else "")
+        + "An empty group (an item with no category id: a segment of length 0, alibaba/TorchEasyRec#104; "
+        "an empty bag; an output slot no index hits; a masked row with nothing left) is a reduction "
+        "of nothing: 0 / 0 or the identity of max/min, +-inf. OpInfo's samples rarely hold one. Here "
+        f"the first {GROUP_SAMPLES} samples (in {', '.join(dtypes)}) of every op whose parameters name a "
+        "group (`lengths`, `offsets`, `mask`, `attn_mask`, `include_self`, `ignore_index`: from its "
+        "signature and its samples' keywords) or whose name is a segment, scatter, index or bag "
+        "reduction are each given ONE empty group in otherwise ordinary operands: a segment of "
+        "length 0 (or a repeated offset) in front, also without the sample's `initial=`; a "
+        "repeated offset in front of an embedding bag (a row of `padding_idx` for 2-D input); one "
+        "index value of a scatter/index reduction mapped to another, so that its slot is never "
+        "hit, with `include_self=False`; a row over the reduced dims masked out of a `torch.masked` "
+        "op (every element for `dim=None`; one element of both masks of `masked.logaddexp`); "
+        "every key hidden from one query of an attention mask (-inf in a float mask); every "
+        "target of a loss equal to `ignore_index`. " + _RUNNERS_TEXT
+        + " Status: **guarded** (finite under harden and the backend), **accepted** (a reason in "
+        "`GROUPS_ACCEPTED` in `benchmarks/census.py`), **UNGUARDED** (neither: `tests/test_census.py` fails).",
+        "",
+        f"- Ops probed with an empty group: {sum(1 for r in results if r.probed)} of {len(results)} "
+        f"({', '.join(f'{k} {len(v)}' for k, v in sorted(by_kind.items()))}); non-finite as torch "
+        f"runs them: **{sum('torch' in r.found for r in results)}**; guarded "
+        f"{sum(r.status == 'guarded' for r in results)}, accepted "
+        f"{sum(r.status == 'accepted' for r in results)}, UNGUARDED "
+        f"{sum(r.status == 'UNGUARDED' for r in results)}.",
+        "- By kind: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(by_kind.items())) + ".",
+        "- Named like a grouping, not probed: " + ("; ".join(f"`{op_id(op)}` ({reason})" for op, reason in left)
+                                                   if left else "none") + ".",
+        "- " + _CRASH_TEXT + (":" if crashes else ": none."),
+        *crashes,
+        "",
+    ]
+    lines += _findings_table(found)
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -1311,7 +1778,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-isolate", action="store_true",
                     help="probe in this process (a crashing op then ends the census)")
     ap.add_argument("--empty", action="store_true",
-                    help="only the zero-size-operand census: write (or replace) its section of --out")
+                    help="only the zero-size-operand census: write (or replace) its section of --out "
+                         "(with --ops: a subsection for the ops re-run)")
+    ap.add_argument("--groups", action="store_true",
+                    help="only the empty-group census: write (or replace) its section of --out")
     ap.add_argument("-q", "--quiet", action="store_true")
     args = ap.parse_args(argv)
     for d in args.dtypes:
@@ -1320,23 +1790,39 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # before the first parallel region: the census forks
     ops = load_ops(args.ops)
     t0 = time.perf_counter()
-    if args.empty:
+    if args.empty or args.groups:
         dtypes = args.dtypes if args.dtypes != list(DTYPES) else ["float32", "float16"]
 
-        def progress_empty(i, n, r):
+        def progress_cases(i, n, r):
             if not args.quiet:
                 mark = "" if not r.found else f"  {r.status}: {', '.join(r.found)}"
-                print(f"[{i + 1:3d}/{n}] {r.id:45s}{mark}", flush=True)
+                crash = f"  crashed: {len(r.crashed)}" if r.crashed else ""
+                print(f"[{i + 1:3d}/{n}] {r.id:45s} {r.probed:4d} cases{mark}{crash}", flush=True)
 
-        samples = args.samples if args.samples != 5 else EMPTY_SAMPLES
-        results = empty_census(ops, dtypes, samples, progress=progress_empty, isolate=not args.no_isolate)
-        text = render_empty(results, dtypes, time.perf_counter() - t0)
+        if args.empty:
+            samples = args.samples if args.samples != 5 else EMPTY_SAMPLES
+            results = empty_census(ops, dtypes, samples, progress=progress_cases,
+                                   isolate=not args.no_isolate)
+            text = render_empty(results, dtypes, time.perf_counter() - t0, args.ops)
+            heading, level = (EMPTY_SECTION, "## ") if not args.ops else (EMPTY_RERUN, "### ")
+        else:
+            samples = args.samples if args.samples != 5 else GROUP_SAMPLES
+            results, left = groups_census(ops, dtypes, samples, progress=progress_cases,
+                                          isolate=not args.no_isolate)
+            text = render_groups(results, left, dtypes, time.perf_counter() - t0, args.ops)
+            heading, level = GROUPS_SECTION, "## "
         if args.out:
-            write_empty_section(args.out, text)
+            with open(args.out) as f:
+                doc = f.read()
+            before = "## Real bugs beyond the census"
+            if heading == EMPTY_RERUN and GROUPS_SECTION in doc:
+                before = GROUPS_SECTION
+            write_section(args.out, text, heading, before, level)
         else:
             print(text)
         un = sorted(r.id for r in results if r.status == "UNGUARDED")
-        print(f"census --empty: {len(results)} ops; UNGUARDED {len(un)}" + (f": {', '.join(un)}" if un else ""))
+        print(f"census --{'empty' if args.empty else 'groups'}: {len(results)} ops; "
+              f"UNGUARDED {len(un)}" + (f": {', '.join(un)}" if un else ""))
         return 0
 
     def progress(i, n, r):

@@ -263,3 +263,139 @@ def test_census_md_zero_size_section_agrees_with_the_lists():
         else:
             assert status.startswith("guarded: ") and census.rules_for(op)[0], (
                 f"docs/census.md calls {ident} guarded on zero-size operands, the rule table does not")
+
+
+# -- empty groups (issue 48, item 2) -----------------------------------------------------------
+
+# segment_reduce (lengths and offsets: guarded since issue 48 item 1), an embedding bag, a masked
+# reduction and a scatter reduction, each with one empty group
+GROUPS_SUBSET = ("_segment_reduce.lengths", "_segment_reduce.offsets", "nn.functional.embedding_bag",
+                 "masked.mean", "scatter_reduce.mean")
+
+
+def _group_census(backend: bool):
+    ops = census.load_ops(GROUPS_SUBSET)
+    kinds = {census.op_id(op): census.group_kind(op) for op in ops}
+    results, _ = census.groups_census(ops, ["float32"], samples=1, backend=backend, kinds=kinds)
+    return {r.id: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def group_results():
+    return _group_census(backend=True)
+
+
+@pytest.fixture(scope="module")
+def group_results_harden():
+    return _group_census(backend=False)
+
+
+def test_empty_groups_are_finite_under_harden(group_results_harden):
+    """The fast tier of the next test: harden only (no compile)."""
+    _assert_groups_finite(group_results_harden)
+
+
+@pytest.mark.slow  # a compile per case torch breaks on: about 8 s
+def test_empty_groups_are_finite_under_harden_and_the_backend(group_results):
+    """One empty group in otherwise ordinary operands (a segment of length 0, an empty bag, a
+    masked-out row, an index slot never hit with include_self=False): finite values and
+    gradients under harden and the backend, or accepted with a reason. Fails without the
+    segment_reduce rule (an empty segment's mean is NaN, its max -inf)."""
+    _assert_groups_finite(group_results)
+
+
+def _assert_groups_finite(group_results):
+    assert set(GROUPS_SUBSET) <= set(group_results), set(GROUPS_SUBSET) - set(group_results)
+    for r in group_results.values():
+        assert r.probed > 0 and not r.crashed and not r.died, (r.id, r.probed, r.crashed, r.died)
+    broken = {r.id: r.detail for r in group_results.values() if r.status == "UNGUARDED"}
+    assert not broken, f"non-finite on an empty group under nanpass: {broken}"
+    for ident in ("_segment_reduce.lengths", "_segment_reduce.offsets"):
+        r = group_results[ident]
+        assert "torch" in r.found and r.status == "guarded", (ident, r.status, r.found)
+    assert group_results["masked.mean"].status in ("guarded", "accepted")
+
+
+def test_an_empty_group_finding_without_a_guard_is_unguarded(group_results_harden):
+    """The teeth: left non-finite under harden, an empty segment classifies as UNGUARDED."""
+    r = copy.deepcopy(group_results_harden["_segment_reduce.lengths"])
+    r.found["harden"] = r.found["torch"]
+    census.classify_groups(census.load_ops(["_segment_reduce.lengths"])[0], r)
+    assert r.status == "UNGUARDED", r.status
+
+
+@pytest.mark.slow  # the samples of every OpInfo op: about 10 s
+def test_group_ops_are_found_from_op_db():
+    """Every op whose parameters name a group, or whose name is a segment / scatter / index / bag
+    reduction, is probed or has a reason in NOT_GROUPS."""
+    probed, left = census.group_ops(census.load_ops())
+    kinds = {census.op_id(op): kind for op, kind in probed}
+    for ident, kind in (("_segment_reduce.lengths", "segment"), ("_segment_reduce.offsets", "segment"),
+                        ("nn.functional.embedding_bag", "bag"), ("scatter_reduce.mean", "index"),
+                        ("index_reduce.amax", "index"), ("masked.softmax", "mask"),
+                        ("masked.normalize", "mask"), ("nn.functional.nll_loss", "ignore")):
+        assert kinds.get(ident) == kind, (ident, kinds.get(ident))
+    assert not [census.op_id(op) for op, why in left if why.startswith("no transform")], left
+
+
+def test_census_md_groups_section_agrees_with_the_lists():
+    assert census.GROUPS_SECTION in CENSUS_MD.read_text(), f"run: {census.GROUPS_CMD}"
+    rows = _census_rows(census.GROUPS_SECTION)
+    assert "_segment_reduce.lengths" in rows and "_segment_reduce.offsets" in rows, rows
+    assert not [i for i, st in rows.items() if st.startswith("UNGUARDED")], rows
+    ops = {census.op_id(op): op for op in census.load_ops()}
+    for ident, status in rows.items():
+        op = ops.get(ident)
+        if op is None and (_removed_from_torch(ident) or _older_opinfo()):
+            continue
+        assert op is not None, f"docs/census.md lists {ident!r}, which is not an OpInfo op"
+        if status.startswith("accepted: "):
+            reason = census.groups_accepted_reason(op)
+            assert reason is not None and status == census._md(f"accepted: {reason}"), (
+                f"docs/census.md accepts {ident} on an empty group with a reason GROUPS_ACCEPTED "
+                f"no longer gives: {census.GROUPS_CMD}")
+
+
+# -- a case that crashes the process runs alone: the op's other cases still run -------------------
+
+def _crashing_op(name, crash, **params):
+    """An OpInfo op ``x.sum()`` (``lengths=``: torch.segment_reduce) whose call kills the process
+    with SIGSEGV where ``crash(x)``, on two samples: a 2x3 and a 3x4 input."""
+    import os
+    import signal
+
+    import torch
+    from torch.testing._internal.opinfo.core import OpInfo, SampleInput
+
+    def f(x, **kw):
+        if crash(x):
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if "lengths" in kw:
+            return torch.segment_reduce(x.reshape(-1), "sum", lengths=kw["lengths"])
+        return x.sum()
+
+    def samples(op, device, dtype, requires_grad, **kw):
+        for shape in ((2, 3), (3, 4)):
+            x = torch.ones(shape, dtype=dtype, requires_grad=requires_grad)
+            yield SampleInput(x, **({"lengths": torch.tensor([x.numel()])} if params else {}))
+
+    return OpInfo(name, op=f, dtypes=(torch.float32,), sample_inputs_func=samples,
+                  supports_out=False)
+
+
+def test_a_crashing_zero_size_case_leaves_the_others_probed():
+    op = _crashing_op("fake_crash", lambda x: x.shape[0] == 0)
+    (r,) = census.empty_census([op], ["float32"], backend=False)
+    # per sample: a leading dim of size 0 and every dim of size 0 crash, a last dim of size 0 runs
+    assert r.probed == 2 and not r.died, (r.probed, r.died)
+    assert len(r.crashed) == 4 and all(c.endswith(": SIGSEGV") for c in r.crashed), r.crashed
+    assert {c.split(",")[1].strip() for c in r.crashed} == {"sample 0", "sample 1"}, r.crashed
+    assert "- `fake_crash` (2 cases probed): " in census.render_empty([r], ["float32"], 0.0)
+
+
+def test_a_crashing_group_case_leaves_the_others_probed():
+    op = _crashing_op("fake_segments", lambda x: x.shape == (2, 3), lengths=True)
+    results, _ = census.groups_census([op], ["float32"], backend=False)
+    (r,) = results
+    assert r.kind == "segment" and r.probed == 1, (r.kind, r.probed)
+    assert r.crashed == ["float32, sample 0, a segment of length 0 in front: SIGSEGV"], r.crashed
