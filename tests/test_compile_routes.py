@@ -140,6 +140,7 @@ _REGIONS = {
                              lambda: (torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.bool)), True),
     "cond": (_Cond, lambda: (torch.zeros(3),), lambda: (torch.rand(3) + 0.5,), False),
     "while_loop": (_WhileLoop, lambda: (torch.ones(3),), None, False),
+    "while_loop_grad": (_WhileLoop, lambda: (torch.ones(3),), None, True),
     "nested_compile_region": (_Region, lambda: (torch.zeros(3),), lambda: (torch.rand(3) + 0.5,), False),
     "flex_attention_score_mod": (_Flex, lambda: (torch.randn(1, 1, 8, 4),), None, False),
 }
