@@ -533,3 +533,26 @@ def test_an_operand_the_op_does_not_read_is_never_blamed(stop_at_op, fill, spell
     assert "baddbmm" in found[0].split("\n")[0]
     assert "an overflow past the float16 maximum" in found[0]
     assert found[0] == found[1]
+
+
+@pytest.mark.parametrize("case,stops", [("overflow", False), ("nan_grad", True), ("collapse", True),
+                                        ("forward_nan", True)])
+def test_enable_leaves_a_gradscalers_back_off_to_it_and_names_what_it_did_not_cause(case, stops, monkeypatch):
+    """Issue 46 item 3, in process (tests/test_run_any_script.py runs the script under
+    `nanpass run`): the scaler's own overflow is no stop; a NaN it did not cause, a scale
+    that collapses and a NaN in the forward are."""
+    import contextlib
+    import pathlib
+    import runpy
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parent / "run_scripts" / "amp_scaler.py"
+    monkeypatch.setattr(sys, "argv", [str(script), case])
+    state = torch.random.get_rng_state()
+    expect = (pytest.raises(nanpass.NonFiniteError, match="^nanpass:") if stops
+              else contextlib.nullcontext())
+    try:
+        with expect, nanpass.enable("check"):
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        torch.random.set_rng_state(state)
