@@ -1470,11 +1470,6 @@ _MASKED_IDENTITY = ("torch.masked prototype op (not used in models): a fully mas
                     "(torch.masked._output_mask), and a model writes masked pooling with plain ops "
                     "and a finite fill (sentence-transformers' max pooling fills -1e9); the plain "
                     "ops' empty groups are guarded (softmax of a -inf row, mean, var, logsumexp)")
-_LCE_IGNORED = ("every target ignored is 0 / 0 = NaN, as in F.cross_entropy (pytorch#116349), whose "
-                "rule guards it; F.linear_cross_entropy (new in torch 2.13, a fused linear and cross "
-                "entropy) is guarded only on empty operands (the mse_loss rule, which leaves every "
-                "non-empty call as written): a guard of an all-ignored batch must fence the fused "
-                "op's gradient; known gap, left for a follow-up")
 GROUPS_ACCEPTED: dict[str, str] = {
     "masked.amax": _MASKED_IDENTITY.format("-inf"),
     "masked.amin": _MASKED_IDENTITY.format("+inf"),
@@ -1483,8 +1478,6 @@ GROUPS_ACCEPTED: dict[str, str] = {
                          "the slot no index hits keeps its input value",
     "scatter_reduce.prod": "float16 only: the sample's product itself overflows (" + _PRODUCT + "); "
                            "the slot no index hits keeps its input value",
-    "nn.functional.linear_cross_entropy": _LCE_IGNORED,
-    "nn.functional.linear_cross_entropy.chunked": _LCE_IGNORED,
 }
 # finite under nanpass.harden, not under the backend: the reason holds only where harden is finite
 _MASKED_TRACED = ("under the backend only: torch.masked prototype op (not used in models); dynamo "
@@ -1496,6 +1489,10 @@ GROUPS_BACKEND_ONLY: dict[str, str] = {
     for _name in ("log_softmax", "logaddexp", "logsumexp", "mean", "softmax", "softmin", "std", "var",
                   "normalize")
 }
+GROUPS_BACKEND_ONLY["nn.functional.linear_cross_entropy.chunked"] = (
+    "under the backend only: dynamo traces into F.linear_cross_entropy, whose chunked form is a "
+    "torch.library custom op that divides by NaN on purpose where no target counts (an opaque "
+    "node to the rewrite); `nanpass.harden` guards the call")
 
 
 def _params(op) -> set[str]:

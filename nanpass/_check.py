@@ -26,6 +26,14 @@ from ._errors import NanpassError
 Tensor = torch.Tensor
 
 
+def _short_source(source: str) -> str:
+    """``file:line`` as the report shows it (the user's own file relative to the working
+    directory: a script's ``__file__`` is absolute, as under python)."""
+    from ._report import _rel
+
+    return _rel(source) or source
+
+
 @dataclass(frozen=True)
 class Site:
     """Where a checked op is: filled in by the rewrite from the node's metadata."""
@@ -39,7 +47,7 @@ class Site:
 
     def __str__(self) -> str:
         cls = f" ({self.module_type})" if self.module_type else ""
-        at = f" at {self.source}: {self.code}" if self.source else ""
+        at = f" at {_short_source(self.source)}: {self.code}" if self.source else ""
         return f"{self.spelling} in {self.module or '<root>'}{cls}{at}"
 
 

@@ -733,8 +733,11 @@ class _GuardedBackward:
         ctx = self.node()
         if ctx is None:
             return None
-        with self.sites.mode():
-            again = self.cls.backward(ctx, *grad_outputs)
+        try:
+            with self.sites.mode():
+                again = self.cls.backward(ctx, *grad_outputs)
+        except RuntimeError:  # a backward that runs once (torch.library's chunked linear
+            again = grad_inputs  # cross-entropy): its non-finite gradients fenced as they came
         again = again if isinstance(again, tuple) else (again,)
         fixed = []
         for old, new in zip(grad_inputs, again, strict=False):

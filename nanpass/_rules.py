@@ -335,7 +335,7 @@ RULES: tuple[Rule, ...] = (
         "selection is left as written",
         functions=("F.mse_loss", "F.l1_loss", "F.smooth_l1_loss", "F.huber_loss", "F.margin_ranking_loss",
                    "F.hinge_embedding_loss", "F.multilabel_soft_margin_loss", "F.multi_margin_loss",
-                   "F.multilabel_margin_loss", "F.linear_cross_entropy"),
+                   "F.multilabel_margin_loss"),
         modules=("nn.MSELoss", "nn.L1Loss", "nn.SmoothL1Loss", "nn.HuberLoss", "nn.MarginRankingLoss",
                  "nn.HingeEmbeddingLoss", "nn.MultiLabelSoftMarginLoss", "nn.MultiMarginLoss",
                  "nn.MultiLabelMarginLoss"),
@@ -355,13 +355,25 @@ RULES: tuple[Rule, ...] = (
                                           operands(tensor(shape=(0, 3)), tensor(dtype=torch.int64))),
                           **dict.fromkeys(("F.multilabel_margin_loss", "nn.MultiLabelMarginLoss"),
                                           operands(tensor(shape=(0, 3)), tensor(shape=(0, 3), dtype=torch.int64))),
-                          "F.linear_cross_entropy": operands(tensor(shape=(0, 3)), tensor(*[0.5] * 12, shape=(4, 3)),
-                                                             tensor(dtype=torch.int64)),
                       },
                       # the eager kernel gives 0 (multilabel_margin_loss: memory it never wrote);
                       # aot_autograd's decomposition gives 0 / 0 = NaN
                       compiled=("F.multi_margin_loss", "nn.MultiMarginLoss", "F.multilabel_margin_loss",
-                                "nn.MultiLabelMarginLoss"),
+                                "nn.MultiLabelMarginLoss")),
+    ),
+    Rule(
+        "linear_cross_entropy", g.mean_reduced(g.finite_call),
+        reason="a linear, then cross_entropy, fused (torch 2.13): every target ignored is 0 / 0 = NaN in "
+        "the mean, as cross_entropy's (pytorch#70348; the chunked form divides by NaN on purpose "
+        "there), and so is a mean over no row",
+        action="a NaN loss the op makes (every target ignored) becomes 0 and its non-finite gradients "
+        "0, a NaN in an operand stays NaN; a mean over no row is the loss with reduction='none', "
+        "summed: 0",
+        functions=("F.linear_cross_entropy",), methods=(), inplace=False,
+        sample=Sample(operands(tensor(0.5, -1.0, 2.0, 0.0, 1.5, -0.5, shape=(2, 3)), tensor(*[0.5] * 12, shape=(4, 3)),
+                               tensor(-100, -100, dtype=torch.int64)),
+                      operands(tensor(0.5, -1.0, 2.0, 0.0, 1.5, -0.5, shape=(2, 3)), tensor(*[0.5] * 12, shape=(4, 3)),
+                               tensor(1, 3, dtype=torch.int64)),
                       inlined=("F.linear_cross_entropy",)),  # F.linear, then F.cross_entropy
     ),
     Rule(
