@@ -174,15 +174,15 @@ def _saw(model, heads, bad, data, nan_data, st) -> str:
     return "the screen saw " + "; ".join(parts)
 
 
-def not_reproduced(safe, phase: str, saw: str) -> None:
+def not_reproduced(safe, phase: str, saw: str, run: bool = True) -> None:
     config = safe._nanpass_config
+    why = (", not reproduced: the step again from the same inputs, random state and buffers, "
+           "with a check at each op, made no NaN or Inf (a random draw from a generator nanpass "
+           "does not replay, a data-dependent kernel, or state the step changed)") if run else " (not reproduced)"
     safe._nanpass_sites.checker._emit(
         phase, "NaN/Inf", None,
-        f"{saw}, not reproduced: the step again from the same inputs, random state and buffers, "
-        f"with a check at each op, made no NaN or Inf (a random draw from a generator nanpass "
-        f"does not replay, a data-dependent kernel, or state the step changed); "
-        f"harden(model, mode={config.mode!r}, every_op=True) checks each op of every step as "
-        f"it runs")
+        f"{saw}{why}; harden(model, mode={config.mode!r}, every_op=True) checks each op of every "
+        f"step as it runs")
 
 
 class _Backward:
@@ -191,7 +191,8 @@ class _Backward:
     backward that reached them ends."""
 
     __slots__ = ("safe", "args", "kwargs", "rng", "kept", "explained", "upstream", "heads",
-                 "armed", "accumulates", "leaves", "handles", "partial", "__weakref__")
+                 "armed", "accumulates", "leaves", "handles", "partial", "graphed", "second",
+                 "__weakref__")
 
     @classmethod
     def watch(cls, safe, args, kwargs, rng, kept, outs, explained: bool) -> None:
@@ -203,6 +204,7 @@ class _Backward:
         step.explained = explained
         step.upstream, step.heads, step.armed = {}, [], False
         step.accumulates, step.leaves, step.handles, step.partial = True, [], [], []
+        step.graphed = step.second = False
         for k, o in enumerate(watched):
             o.register_hook(functools.partial(step.reached, k))
 
@@ -214,6 +216,15 @@ class _Backward:
     def reached(self, k: int, g):
         if not self.armed:  # the first output this backward reached: a new backward
             self.armed = True
+            # a backward after one that made a graph of its gradients (create_graph=True: a
+            # gradient penalty) runs through those gradients: a backward of the user's code
+            # between the two, which a run again of the step cannot replay
+            self.second = self.graphed
+            if torch.is_grad_enabled():  # (autograd runs a create_graph backward with grad on)
+                self.graphed = True
+                # this model's later steps are checked at every op, which sees such a
+                # backward's nodes (the first step's is said as not run again, if hit)
+                self.safe._nanpass_sites.checker.screening = False
             self.upstream, self.heads, self.partial = {}, [], []
             self.leaves = self._leaves()
             first = next((t for t in self.leaves if t.is_leaf), None)
@@ -250,6 +261,14 @@ class _Backward:
         if all(s == FINITE for s in st) or self.explained:
             return
         watch = self.safe._nanpass_sites.checker
+        name = type(self.safe._nanpass_model).__name__
+        if self.second:
+            not_reproduced(self.safe, "backward", (
+                f"the screen saw a non-finite gradient in a backward through the gradients of an "
+                f"earlier backward of {name} (a gradient penalty: create_graph=True), which a run "
+                f"again of the step cannot replay; this model's later steps are checked at every op"),
+                run=False)
+            return
         for (k, _), s in zip(heads, st, strict=False):
             if s != FINITE:  # the loss's gradient, not the model's
                 watch.output_grad("the model's output", upstream[k])
