@@ -223,6 +223,7 @@ def bench_launch_bound(repeats):
         fns = {"plain": plain, "null_mode": null,
                "harden": train_step(nanpass.harden(model), batch),
                "check": train_step(nanpass.harden(model, mode="check"), batch),
+               "check_every_op": train_step(nanpass.harden(model, mode="check", every_op=True), batch),
                "check_stop_at_op": train_step(nanpass.harden(model, mode="check", stop_at_op=True), batch),
                "detect_anomaly": anomaly}
         t = interleaved(fns, repeats)
@@ -235,7 +236,8 @@ def bench_launch_bound(repeats):
 def print_launch_bound(x: dict) -> None:
     print(f"{'gpt2-12L-32w 1x8, 1 thread':26} {'launch-bound':16} {x['plain_ms']:10.2f} {'':11} "
           f"{x['harden_ratio']:7.3f}  harden; null mode {x['null_mode_ratio']:.3f}; check "
-          f"{x['check_ratio']:.3f} (stop_at_op {x['check_stop_at_op_ratio']:.3f}); detect_anomaly "
+          f"{x['check_ratio']:.3f} (every_op {x['check_every_op_ratio']:.3f}, stop_at_op "
+          f"{x['check_stop_at_op_ratio']:.3f}); detect_anomaly "
           f"{x['detect_anomaly_ratio']:.3f}")
 
 

@@ -39,7 +39,7 @@ import functools
 import torch
 
 from . import _fastpath
-from ._check import runs_its_own_backward, state_scalar
+from ._check import finite_exactly, gradient_scalar, runs_its_own_backward
 from ._compat import at_backward_end, backward_accumulates, version
 from ._deferred import FINITE, NAN, read, scalar
 from ._watch import leaves, readable
@@ -191,7 +191,7 @@ class _Backward:
     backward that reached them ends."""
 
     __slots__ = ("safe", "args", "kwargs", "rng", "kept", "explained", "upstream", "heads",
-                 "armed", "accumulates", "leaves", "handles", "partial", "graphed", "second",
+                 "armed", "accumulates", "leaves", "kept_in", "handles", "partial", "graphed", "second",
                  "__weakref__")
 
     @classmethod
@@ -204,6 +204,7 @@ class _Backward:
         step.explained = explained
         step.upstream, step.heads, step.armed = {}, [], False
         step.accumulates, step.leaves, step.handles, step.partial = True, [], [], []
+        step.kept_in = []  # the leaves, whose .grad a backward accumulates into
         step.graphed = step.second = False
         for k, o in enumerate(watched):
             o.register_hook(functools.partial(step.reached, k))
@@ -227,8 +228,8 @@ class _Backward:
                 self.safe._nanpass_sites.checker.screening = False
             self.upstream, self.heads, self.partial = {}, [], []
             self.leaves = self._leaves()
-            first = next((t for t in self.leaves if t.is_leaf), None)
-            self.accumulates = first is not None and backward_accumulates(first)
+            self.kept_in = [t for t in self.leaves if t.is_leaf]
+            self.accumulates = bool(self.kept_in) and backward_accumulates(self.kept_in[0])
             nonleaf = [t for t in self.leaves if not t.is_leaf]  # (an upstream model's output)
             hooked = nonleaf if self.accumulates else self.leaves
             self.handles = [t.register_hook(self._given) for t in hooked]
@@ -248,18 +249,18 @@ class _Backward:
             h.remove()
         upstream, heads, partial, self.handles = self.upstream, self.heads, self.partial, []
         self.upstream, self.heads, self.partial = {}, [], []
-        grads = []
-        if self.accumulates:
-            grads = [t.grad for t in self.leaves if t.is_leaf and t.grad is not None
-                     and t.grad.is_floating_point() and t.grad.numel()]
+        grads = [g for t in self.kept_in if (g := t.grad) is not None] if self.accumulates else []
         every = [s for _, s in heads] + partial
-        if grads:
-            every.append(state_scalar(grads))  # (largest magnitudes: finite exactly when all are)
+        norm = gradient_scalar(grads) if grads else None
+        if norm is not None:  # (a 2-norm: the fastest fused reduction a CPU has, 0.14 ms for
+            every.append(norm)  # GPT-2 12L 32 wide's 148 gradients, against 0.57 ms for a max)
         if not every:
             return
         st = read([s.to(every[0].device) for s in every])  # the one read
         if all(s == FINITE for s in st) or self.explained:
             return
+        if all(s == FINITE for s in st[:-1]) and norm is not None and finite_exactly(grads):
+            return  # (finite gradients whose squares pass the largest float: about 1e19 in float32)
         watch = self.safe._nanpass_sites.checker
         name = type(self.safe._nanpass_model).__name__
         if self.second:
