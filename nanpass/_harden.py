@@ -103,6 +103,8 @@ class Hardened(torch.nn.Module):
                 return self._compiled_once(args, kwargs)
         elif watch is not None and watch.deferred and watch.pending is None and COLLECT.get() is None \
                 and not functorch_active():
+            if watch.later:
+                _screen.drop_later(watch)
             if watch.screening:
                 return _screen.forward(self, args, kwargs)
             return self._checked_once(args, kwargs)

@@ -174,6 +174,16 @@ def _saw(model, heads, bad, data, nan_data, st) -> str:
     return "the screen saw " + "; ".join(parts)
 
 
+def drop_later(watch) -> None:
+    """The hooks a create_graph backward left on the leaves for a backward through its
+    gradients, removed at the model's next forward (no such backward came)."""
+    later = getattr(watch, "later", None)
+    if later:
+        for h in later:
+            h.remove()
+        later.clear()
+
+
 def not_reproduced(safe, phase: str, saw: str, run: bool = True) -> None:
     config = safe._nanpass_config
     why = (", not reproduced: the step again from the same inputs, random state and buffers, "
@@ -239,6 +249,15 @@ class _Backward:
             if readable(g):
                 self.heads.append((k, scalar(g)))
 
+    def _later(self, g):
+        """A leaf's gradient in a backward after this model's create_graph backward (a gradient
+        penalty's, which may not pass through the model's outputs): screened, and said."""
+        if not self.armed:
+            self.armed, self.second, self.accumulates = True, True, False
+            self.upstream, self.heads, self.partial = {}, [], []
+            at_backward_end(self.finish)
+        self._given(g)
+
     def _given(self, g):  # a scalar as it passes (holding it would make AccumulateGrad copy it)
         if isinstance(g, Tensor) and float_value(g):
             self.partial.append(scalar(g))
@@ -249,6 +268,11 @@ class _Backward:
             h.remove()
         upstream, heads, partial, self.handles = self.upstream, self.heads, self.partial, []
         self.upstream, self.heads, self.partial = {}, [], []
+        watch = self.safe._nanpass_sites.checker
+        if self.graphed and not self.second:  # the backward through these gradients, next
+            self.handles = [t.register_hook(self._later) for t in self.leaves]
+            drop_later(watch)
+            watch.later = self.handles
         grads = [g for t in self.kept_in if (g := t.grad) is not None] if self.accumulates else []
         every = [s for _, s in heads] + partial
         norm = gradient_scalar(grads) if grads else None
@@ -261,7 +285,6 @@ class _Backward:
             return
         if all(s == FINITE for s in st[:-1]) and norm is not None and finite_exactly(grads):
             return  # (finite gradients whose squares pass the largest float: about 1e19 in float32)
-        watch = self.safe._nanpass_sites.checker
         name = type(self.safe._nanpass_model).__name__
         if self.second:
             not_reproduced(self.safe, "backward", (

@@ -224,6 +224,7 @@ class Watch:
         # the backward's gradients screened on the device, the step run again at each op on a
         # hit (``_harden._screen``); False: every call watched (every_op=True, stop_at_op=True)
         self.screening = False
+        self.later: list = []  # hooks waiting for a backward through a create_graph backward's gradients
         self._local = threading.local()  # the forward being collected, per thread
         self.pending_backward: Backward | None = None
         self._poles: dict = {}
