@@ -105,8 +105,8 @@ class Hardened(torch.nn.Module):
                 and not functorch_active():
             if watch.later:
                 _screen.drop_later(watch)
-            if watch.screening:
-                return _screen.forward(self, args, kwargs)
+            if watch.screening and sites.calls:  # (the first call at every op: it records the
+                return _screen.forward(self, args, kwargs)  # call sites the report lists)
             return self._checked_once(args, kwargs)
         if mode in ("check", "warn"):
             sites.checker.found = False
