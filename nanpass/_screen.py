@@ -26,7 +26,8 @@ made non-finite in backward and masked before any leaf), and an infinity made on
 stays quiet. ``every_op=True`` keeps the check of every call.
 
 Buffers: a forward that writes a buffer (a batch norm's running statistics) is learned on the
-first call, by the buffers' versions; from then on those buffers are copied before each
+first screened call (a model's second: its first is checked at every op), by the buffers'
+versions; from then on those buffers are copied before each
 forward so that a run again starts from the values the first run started from. The memory this
 costs is the size of the buffers the forward writes (a batch norm: two vectors of its width);
 a buffer no forward writes costs nothing.
