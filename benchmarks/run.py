@@ -223,6 +223,7 @@ def bench_launch_bound(repeats):
         fns = {"plain": plain, "null_mode": null,
                "harden": train_step(nanpass.harden(model), batch),
                "check": train_step(nanpass.harden(model, mode="check"), batch),
+               "check_every_op": train_step(nanpass.harden(model, mode="check", every_op=True), batch),
                "check_stop_at_op": train_step(nanpass.harden(model, mode="check", stop_at_op=True), batch),
                "detect_anomaly": anomaly}
         t = interleaved(fns, repeats)
@@ -232,10 +233,42 @@ def bench_launch_bound(repeats):
         torch.set_num_threads(threads)
 
 
+def bench_check_screen(repeats):
+    """Issue 47: eager check mode's screen against the plain step and against the check of
+    every call (``every_op=True``), one process, interleaved: the launch-bound row (one thread)
+    and GPT-2 12L 128 wide at 4 x 64 (the machine's threads)."""
+    out = {}
+    threads = torch.get_num_threads()
+    for name, one in (("launch-bound", True), ("gpt2-12L", False)):
+        torch.set_num_threads(1 if one else threads)
+        try:
+            if one:
+                model = gpt2(12, 32)
+                batch = {"input_ids": torch.randint(0, 1024, (1, 8)), "labels": torch.randint(0, 1024, (1, 8))}
+            else:
+                model, batch = MODELS["gpt2-12L"]()
+            fns = {"plain": train_step(model, batch),
+                   "check": train_step(nanpass.harden(model, mode="check"), batch),
+                   "every_op": train_step(nanpass.harden(model, mode="check", every_op=True), batch)}
+            t = interleaved(fns, repeats if one else max(3, repeats // 3))
+            out[name] = {"plain_ms": t["plain"] * 1e3, "check_ratio": t.ratio("check", "plain"),
+                         "every_op_ratio": t.ratio("every_op", "plain")}
+        finally:
+            torch.set_num_threads(threads)
+    return out
+
+
+def print_check_screen(x: dict) -> None:
+    for name, r in x.items():
+        print(f"{name:26} {'check (screen)':16} {r['plain_ms']:10.2f} {'':11} {r['check_ratio']:7.3f}"
+              f"  every_op=True {r['every_op_ratio']:.3f}")
+
+
 def print_launch_bound(x: dict) -> None:
     print(f"{'gpt2-12L-32w 1x8, 1 thread':26} {'launch-bound':16} {x['plain_ms']:10.2f} {'':11} "
           f"{x['harden_ratio']:7.3f}  harden; null mode {x['null_mode_ratio']:.3f}; check "
-          f"{x['check_ratio']:.3f} (stop_at_op {x['check_stop_at_op_ratio']:.3f}); detect_anomaly "
+          f"{x['check_ratio']:.3f} (every_op {x['check_every_op_ratio']:.3f}, stop_at_op "
+          f"{x['check_stop_at_op_ratio']:.3f}); detect_anomaly "
           f"{x['detect_anomaly_ratio']:.3f}")
 
 
@@ -387,10 +420,14 @@ def main():
                     help="where the figures go (default benchmarks/results; docs/img for the docs)")
     ap.add_argument("--spike-only", action="store_true", help="only the SpikeGuard rows")
     ap.add_argument("--launch-bound-only", action="store_true", help="only the launch-bound row")
+    ap.add_argument("--check-only", action="store_true",
+                    help="only eager check mode's rows (issue 47: the screen, every_op=True)")
     args = ap.parse_args()
     repeats = 5 if args.quick else 15
     if args.spike_only:
         return print_spike(bench_spike(repeats))
+    if args.check_only:
+        return print_check_screen(bench_check_screen(3 * repeats))
     if args.launch_bound_only:
         return print_launch_bound(bench_launch_bound(3 * repeats))
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -401,6 +438,7 @@ def main():
     results["check_mode"] = {name: bench_check_mode(m, b, repeats) for name, (m, b) in models.items()}
     results["autocast_bf16"] = {name: bench_autocast(*models[name], repeats) for name in ("mlp", "gpt2-12L")}
     results["launch_bound"] = bench_launch_bound(3 * repeats)
+    results["check_screen"] = bench_check_screen(3 * repeats)
     if not args.quick:
         results["compiled"] = {name: bench_compiled(m, b, 3 * repeats, shapes=name.startswith("transformer"))
                                for name, (m, b) in models.items()}
@@ -425,6 +463,7 @@ def main():
               f"  detect_anomaly: {x['detect_anomaly_ratio']:.3f}; nanpass.enable(check), loss code "
               f"included: {x['enable_check_ratio']:.3f}")
     print_launch_bound(results["launch_bound"])
+    print_check_screen(results["check_screen"])
     for name, x in results.get("compiled", {}).items():
         extra = f", with shape_checks {x['shape_checks_ratio']:.3f}" if "shape_checks_ratio" in x else ""
         print(f"{name:26} {'compiled step':16} {x['inductor_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"

@@ -1254,6 +1254,32 @@ def data_dependent(err: BaseException) -> bool:
     return False
 
 
+# -- issue 47: screen then run again --------------------------------------------------------
+
+
+@entry("engine_executes", "torch._C._will_engine_execute_node (whether the running backward "
+       "runs a node; on a leaf's AccumulateGrad it refuses inside torch.autograd.grad) and "
+       "torch.autograd.graph.get_gradient_edge")
+def _engine_executes():
+    from torch.autograd.graph import get_gradient_edge
+
+    return torch._C._will_engine_execute_node, get_gradient_edge
+
+
+def backward_accumulates(leaf: torch.Tensor) -> bool:
+    """Called from a hook of the running backward: whether it accumulates into the leaves'
+    ``.grad`` (``loss.backward()``, ``torch.autograd.backward``, with or without ``inputs=``)
+    rather than returning the gradients (``torch.autograd.grad``, where torch refuses to say
+    for a leaf). False where the running torch cannot tell: the caller then hooks each leaf,
+    which sees every kind of backward."""
+    try:
+        will, edge = _engine_executes()
+        will(edge(leaf).node)
+    except (RuntimeError, AttributeError, ImportError):
+        return False
+    return True
+
+
 def _install() -> None:
     """Probe every entry once and apply the patches whose hooks exist."""
     for name, e in ENTRIES.items():

@@ -68,6 +68,10 @@ class Config:
     # check mode: read the host at each op (a debugger's stop at the op itself) rather than
     # once after the forward and once after the backward
     stop_at_op: bool = False
+    # check mode: look at every call of every forward and every autograd node of every
+    # backward (the check before issue 47) rather than screen the step's outputs and gradients
+    # and run it again at each op only on a hit
+    every_op: bool = False
     # harden's guard mode: swap the table's spellings where they are looked up, so that other
     # calls never enter Python (_fastpath); False: a TorchFunctionMode sees every call
     fast: bool = True
@@ -168,6 +172,7 @@ def make_config(
     selfcheck: bool | None = None,
     stop_at_op: bool = False,
     fast: bool = True,
+    every_op: bool = False,
 ) -> Config:
     if not isinstance(mode, str) or mode not in MODES:
         raise ConfigError(f"nanpass: unknown mode {mode!r}; valid modes: {_choices(MODES)}")
@@ -178,6 +183,7 @@ def make_config(
     if selfcheck is not None:
         selfcheck = _flag("selfcheck", selfcheck)
     stop_at_op, fast = _flag("stop_at_op", stop_at_op), _flag("fast", fast)
+    every_op = _flag("every_op", every_op)
     if watch is not None and (isinstance(watch, bool) or not isinstance(watch, int) or watch < 1):
         raise ConfigError(f"nanpass: watch is how many calls apart guards are sampled, a positive "
                           f"int (default 100), or None to turn the watch off; got {watch!r}")
@@ -250,4 +256,5 @@ def make_config(
         selfcheck=selfcheck,
         stop_at_op=stop_at_op,
         fast=fast,
+        every_op=every_op,
     )

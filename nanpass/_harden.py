@@ -32,6 +32,7 @@ from ._shapes import InputShapes
 from ._stats import warn_fired
 from ._train import quarantine_call
 from ._watch import leaves
+from . import _screen
 
 
 class Hardened(torch.nn.Module):
@@ -102,6 +103,10 @@ class Hardened(torch.nn.Module):
                 return self._compiled_once(args, kwargs)
         elif watch is not None and watch.deferred and watch.pending is None and COLLECT.get() is None \
                 and not functorch_active():
+            if watch.later:
+                _screen.drop_later(watch)
+            if watch.screening and sites.calls:  # (the first call at every op: it records the
+                return _screen.forward(self, args, kwargs)  # call sites the report lists)
             return self._checked_once(args, kwargs)
         if mode in ("check", "warn"):
             sites.checker.found = False
@@ -183,7 +188,8 @@ class Hardened(torch.nn.Module):
         return _eagerly(_settle)(self, rng, every if len(every) else None, len(head), len(data), out,
                                  args, kwargs)
 
-    def _check_again(self, args, kwargs, rng, verdict: str | None, backward=None):
+    def _check_again(self, args, kwargs, rng, verdict: str | None, backward=None, kept=None,
+                     saw: str | None = None):
         """The forward again with the check at each op, from the first run's random state; the
         buffers it writes (a batch norm's running statistics) are put back as the first run
         left them, and the random state as it was after the first run. ``backward(out)`` runs
@@ -199,7 +205,9 @@ class Hardened(torch.nn.Module):
                     held.append((mod, name, b))
                     copy_ = copies.get(id(b))  # (a buffer two modules share: one copy)
                     if copy_ is None:
-                        copy_ = copies[id(b)] = (b, b.detach().clone())
+                        # (the screen kept the value the forward started from: ``kept``)
+                        before = kept.get(id(b)) if kept else None
+                        copy_ = copies[id(b)] = (b, before if before is not None else b.detach().clone())
                     setattr(mod, name, copy_[1])
         _set_rng_state(rng)
         try:
@@ -211,7 +219,9 @@ class Hardened(torch.nn.Module):
             _set_rng_state(after)
             for mod, name, b in held:
                 setattr(mod, name, b)
-        if not watch.found and verdict == "definite":
+        if not watch.found and verdict == "definite" and saw is not None:
+            _screen.not_reproduced(self, "forward", saw)
+        elif not watch.found and verdict == "definite":
             watch._emit("forward", "NaN/Inf", None,
                         f"NaN or Inf in the forward of {type(model).__name__}, which its run again "
                         f"with a check at each op did not reproduce (a random draw nanpass does not "
@@ -307,6 +317,11 @@ class Hardened(torch.nn.Module):
         TorchFunctionMode sees every call: check mode, ``fast=False``, or a spelling the model
         reaches through something the swap cannot change, named)."""
         sites = self._nanpass_sites
+        if sites.checker is not None and sites.checker.screening:
+            return (f"screen: check mode ({self._nanpass_config.mode}) runs the forward as written, "
+                    f"checks its outputs and gradients on the device, and runs a step again with "
+                    f"every call watched only where they are not finite (every_op=True watches "
+                    f"every call of every step)")
         if sites.checker is not None:
             return f"mode: check mode looks at every call ({self._nanpass_config.mode})"
         return "swap" if sites.fast is None else f"mode: {sites.fast}"
@@ -395,6 +410,7 @@ def harden(
     selfcheck: bool | None = None,
     stop_at_op: bool = False,
     fast: bool = True,
+    every_op: bool = False,
 ) -> Hardened:
     """Return ``model`` with every numerically unsafe op guarded, forward and backward.
 
@@ -424,10 +440,16 @@ def harden(
     ``quarantine=True`` replaces every batch row with a NaN/Inf in an input by zeros before the
     model and marks that row NaN in the outputs, for ``nanpass.finite_mean`` to drop.
 
-    Check mode keeps each op's verdict on the device and reads them once after the forward and
-    once after the backward (on a GPU a read waits for the queue); where one is to be reported
-    the forward runs again with a check at each op, which names it. ``stop_at_op=True`` reads
-    at each op instead and stops there (a debugger's view; one host read per call).
+    Check mode screens each step (issue 47): the forward runs as written, with nothing between
+    its calls; its outputs (and a NaN in the data) are checked on the device and read once
+    after it, the gradients the backward gives the parameters and inputs once when the
+    backward ends. Only where one is not finite does the step run again, from the same inputs,
+    random state and buffers (and the backward with the same upstream gradients), with a
+    check at each op, which names the op where the NaN or Inf was born, as before. A NaN made
+    and masked inside the step that reaches no output and no gradient is not seen:
+    ``every_op=True`` watches every call of every step (keeping a verdict per call on the
+    device, read once after the forward and once after the backward), and ``stop_at_op=True``
+    reads at each op and stops there (a debugger's view; one host read per call).
 
     Guard mode calls each spelling's stand-in (installed once at ``import nanpass``: torch's own
     function outside a hardened call), so every other call costs nothing; ``fast=False`` runs it
@@ -472,7 +494,7 @@ def harden(
         mode=mode, ops=ops, exclude_ops=exclude_ops, exclude=exclude, constants=constants,
         stable=stable, count=count, quarantine=quarantine, shape_checks=shape_checks, watch=watch,
         module_paths=[name for name, _ in model.named_modules()], selfcheck=selfcheck,
-        stop_at_op=stop_at_op, fast=fast,
+        stop_at_op=stop_at_op, fast=fast, every_op=every_op,
     )
     refuse_broken_guards(config)
     shapes = None
@@ -578,21 +600,7 @@ def _eagerly(fn):
     return got
 
 
-def _float_value(t) -> bool:
-    return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.is_floating_point() and t.numel() > 0
-
-
-def _rng_state() -> tuple:
-    """The random state a forward draws from (host-side: no read of the device)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+_float_value, _rng_state, _set_rng_state = _screen.float_value, _screen.rng_state, _screen.set_rng_state
 
 
 def _examples(example_inputs) -> list[tuple]:

@@ -131,6 +131,8 @@ class Sites:
         # (a program, no forward to run again) and stop_at_op=True read at each op
         self.checker = Watch(self, config.mode == "warn", deferred=model is not None and not config.stop_at_op) \
             if config.mode in ("check", "warn") else None
+        if self.checker is not None:  # (issue 47) the step screened, run again at each op on a hit
+            self.checker.screening = model is not None and not config.stop_at_op and not config.every_op
         self.customs: bool | None = None  # whether its graphs hold custom Function nodes
         # the changes made to the higher-order-op bodies of its compiled graphs (_bodies)
         self.compiled_bodies: list[Change] = []

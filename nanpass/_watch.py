@@ -220,6 +220,11 @@ class Watch:
         # verdicts kept on the device and read once after the forward and the backward
         # (_deferred.py); False: read at each op (stop_at_op=True, nanpass.locate, enable)
         self.deferring = deferred
+        # harden's default (issue 47): the forward runs as written with no mode, its outputs and
+        # the backward's gradients screened on the device, the step run again at each op on a
+        # hit (``_harden._screen``); False: every call watched (every_op=True, stop_at_op=True)
+        self.screening = False
+        self.later: list = []  # hooks waiting for a backward through a create_graph backward's gradients
         self._local = threading.local()  # the forward being collected, per thread
         self.pending_backward: Backward | None = None
         self._poles: dict = {}

@@ -34,7 +34,9 @@ def test_check_mode_names_the_op(rule, sp, capture):
     args, kwargs = _inputs(rule, sp)
     keep = sp.kind != "module" or rule.name == "multi_head_attention"
     model = Call(rule, sp, kwargs if keep else {})
-    checked = (nanpass.harden(model, mode="check") if capture == "harden"
+    # (issue 47) a NaN born only in a second derivative (a gradient penalty's backward through
+    # the first backward's gradients) is seen by the screen but cannot be run again: every_op
+    checked = (nanpass.harden(model, mode="check", every_op=rule.sample.second_order) if capture == "harden"
                else torch.compile(model, backend=nanpass.backend(inner="eager", mode="check")))
     with pytest.raises(nanpass.NonFiniteError) as e:
         inputs = copy.deepcopy(args)
@@ -395,7 +397,9 @@ def test_compiled_check_sees_a_backward_nan_that_a_later_op_masks(inner):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())  # plain: finite
     assert (torch.relu(model.fc(x)) == 0).any()
     with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: non-finite gradient created by the backward of torch.sqrt"):
-        nanpass.harden(model, mode="check")(x).backward()
+        # (issue 47: a gradient masked before any parameter reaches none: the screen does
+        # not see it, the check at every op does)
+        nanpass.harden(model, mode="check", every_op=True)(x).backward()
     compiled = torch.compile(model, backend=nanpass.backend(inner=inner, mode="check"))
     with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: non-finite gradient created by the backward of "
                                                      r"torch.sqrt in <root> at .*test_check.py:\d+"):
