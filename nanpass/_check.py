@@ -22,6 +22,7 @@ import torch
 
 from ._compat import at_backward_end, custom_function, foreach_norm
 from ._errors import NanpassError
+from ._source import _rel
 
 Tensor = torch.Tensor
 
@@ -29,8 +30,6 @@ Tensor = torch.Tensor
 def _short_source(source: str) -> str:
     """``file:line`` as the report shows it (the user's own file relative to the working
     directory: a script's ``__file__`` is absolute, as under python)."""
-    from ._report import _rel
-
     return _rel(source) or source
 
 

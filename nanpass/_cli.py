@@ -15,7 +15,7 @@ import torch
 
 from ._check import NonFiniteError
 from ._enable import RUN_MODES, enable
-from ._report import _rel
+from ._source import _rel
 
 FORMATS = ("text", "md", "json", "html")
 

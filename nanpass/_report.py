@@ -17,7 +17,6 @@ import json
 import os
 import re
 import sys
-import sysconfig
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,52 +25,13 @@ import torch
 
 from ._errors import NanpassError, NanpassTypeError
 from ._rewrite import Change, GraphRecord, summary
+from ._source import _rel
 
 SCHEMA = "nanpass.report/1"
 
 
 class ReportError(NanpassError):
     """No report can be made for the object given."""
-
-
-# an installed package's files: shown from the package down, as an import path reads
-_SITE = re.compile(r"^.*[\\/](?:site|dist)-packages[\\/]")
-
-
-def _stdlib_dirs() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    dirs = {os.path.join(paths[k], "") for k in ("stdlib", "platstdlib") if paths.get(k)}
-    return tuple(sorted(dirs, key=len, reverse=True))
-
-
-_STDLIB = _stdlib_dirs()
-
-
-def _short(file: str) -> str:
-    """A source file as a reader wants it: ``transformers/models/llama/modeling_llama.py`` for an
-    installed package (site-packages or dist-packages, in any environment), relative to the
-    working directory for the user's own code, from the standard library's root for its modules;
-    anything else stays absolute."""
-    site = _SITE.match(file)
-    if site:
-        return file[site.end():]
-    cwd = os.path.join(os.getcwd(), "")
-    if file.startswith(cwd):
-        return file[len(cwd):]
-    for d in _STDLIB:
-        if file.startswith(d):
-            return file[len(d):]
-    return file
-
-
-def _rel(path: str | None) -> str | None:
-    """``"file:line"`` with the file shortened by ``_short``."""
-    if path is None:
-        return None
-    file, sep, line = path.rpartition(":")
-    if not sep or not line.isdigit():  # no line number: all of it is the file
-        return _short(path)
-    return f"{_short(file)}:{line}"
 
 
 def _fmt(v: float) -> str:

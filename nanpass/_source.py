@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sysconfig
 
 import torch
 
@@ -75,3 +76,43 @@ def module_path(node) -> tuple[str, str]:
 def input_name(node) -> str:
     """The user's name of a graph input: fx keeps it as the target, dynamo writes L_x_."""
     return re.sub(r"^[lL]_(.*)_$", r"\1", str(node.target))
+
+
+# an installed package's files: shown from the package down, as an import path reads
+_SITE = re.compile(r"^.*[\\/](?:site|dist)-packages[\\/]")
+
+
+def _stdlib_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {os.path.join(paths[k], "") for k in ("stdlib", "platstdlib") if paths.get(k)}
+    return tuple(sorted(dirs, key=len, reverse=True))
+
+
+_STDLIB = _stdlib_dirs()
+
+
+def _short(file: str) -> str:
+    """A source file as a reader wants it: ``transformers/models/llama/modeling_llama.py`` for an
+    installed package (site-packages or dist-packages, in any environment), relative to the
+    working directory for the user's own code, from the standard library's root for its modules;
+    anything else stays absolute."""
+    site = _SITE.match(file)
+    if site:
+        return file[site.end():]
+    cwd = os.path.join(os.getcwd(), "")
+    if file.startswith(cwd):
+        return file[len(cwd):]
+    for d in _STDLIB:
+        if file.startswith(d):
+            return file[len(d):]
+    return file
+
+
+def _rel(path: str | None) -> str | None:
+    """``"file:line"`` with the file shortened by ``_short``."""
+    if path is None:
+        return None
+    file, sep, line = path.rpartition(":")
+    if not sep or not line.isdigit():  # no line number: all of it is the file
+        return _short(path)
+    return f"{_short(file)}:{line}"
