@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import operator
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -31,6 +32,7 @@ from ._rules import CALLS
 from ._selfcheck import refuse_broken_guards
 from ._shapes import compare_shapes, graph_key, graph_shapes, insert_asserts
 from ._source import SELF_IS_MODULE, module_path, user_frame
+from ._stats import GuardWarning
 from ._watch import GraphSites, Watch
 from ._watch import inplace as _inplace
 
@@ -221,6 +223,22 @@ def _watched_graph(gm: fx.GraphModule, warn: bool):
     return run
 
 
+_SAID: list = []
+
+
+def _warn_if_eager_calls_unguarded() -> None:
+    """Once a process: on a torch whose ``torch.compile`` wrapper nanpass cannot reach, the calls
+    dynamo runs outside the graphs run as written; never in silence."""
+    if "compile_context" not in _compat.MISSING or _SAID:
+        return
+    _SAID.append(True)
+    warnings.warn(
+        f"nanpass: torch {torch.__version__} lacks {_compat.ENTRIES['compile_context'].needs}: "
+        "calls dynamo runs outside the backend's graphs (after a graph break, in a frame it skips, "
+        "past its recompile limit) run unguarded; torch.compile(nanpass.harden(model)) guards them",
+        GuardWarning, stacklevel=3)
+
+
 def compile_graph(
     gm: fx.GraphModule,
     example_inputs,
@@ -233,6 +251,7 @@ def compile_graph(
     """Rewrite ``gm``, record what the report needs, then compile (inductor takes ownership
     of the graph and may mutate it, so the record is taken first)."""
     inner = inner or config.inner
+    _warn_if_eager_calls_unguarded()
     frame = _compat.compiling_frame_locals()
     if frame:  # paths are taken in the frame's self where it is a module (_source.module_path)
         gm.meta[SELF_IS_MODULE] = isinstance(frame.get("self"), torch.nn.Module)

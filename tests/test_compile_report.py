@@ -197,3 +197,17 @@ def test_a_backend_survives_a_deep_copy_of_the_compile_arguments():
 
     be = nanpass.backend(inner="aot_eager")
     assert copy.deepcopy({"backend": be})["backend"] is be
+
+
+def test_a_torch_without_the_compile_hook_is_told_once_that_eager_calls_run_unguarded(monkeypatch):
+    from nanpass import _backend, _compat
+
+    monkeypatch.setitem(_compat.MISSING, "compile_context", "AttributeError: (simulated)")
+    monkeypatch.setattr(_backend, "_SAID", [])
+    torch._dynamo.reset()
+    with pytest.warns(nanpass.GuardWarning, match=r"^nanpass: torch .* run unguarded; "
+                      r"torch\.compile\(nanpass\.harden\(model\)\) guards them") as seen:
+        f = torch.compile(lambda x: torch.log(x) + 1, backend=nanpass.backend(inner="aot_eager"))
+        f(torch.ones(2))
+        f(torch.ones(3, 2))  # a second graph: no second warning
+    assert sum("run unguarded" in str(w.message) for w in seen) == 1
