@@ -1195,6 +1195,21 @@ def _statically_known_true():
     return statically_known_true
 
 
+def known_true(expr) -> bool:
+    """``statically_known_true(expr)``, fetched outside any trace: dynamo traces a call of it
+    (it decides a symbolic size without a guard, as torch's own code does), but not the import
+    that finds it. False where the running torch has none."""
+    if not _KNOWN:
+        try:
+            _KNOWN.append(_statically_known_true())
+        except (ImportError, AttributeError):
+            _KNOWN.append(lambda expr: False)
+    return _KNOWN[0](expr)
+
+
+_KNOWN: list = []
+
+
 def may_be_zero(n) -> bool:
     """Whether a size may be 0: an int that is; a symbolic one not known statically to be
     non-zero (an unbacked size out of ``nonzero()``, a boolean mask's selection). No guard is

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._compat import (
     CLAMP_GRAD_AT_BOUNDS,  # noqa: F401 - named in clip's docstring; tests set it
+    constant_result,
     eager_handler,
     entered,
     function_apply,
@@ -1087,19 +1088,28 @@ def logits_loss(fn, args, kwargs, consts, fence):
 _REDUCED = ("mean", "batchmean", "sum")
 
 
+@constant_result
+def _parameters(fn) -> tuple[tuple[str, ...], int]:
+    """A function's parameter names and how many take a position: called, not traced, by
+    dynamo (which cannot add the counts of a code object)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return (), 0
+    return code.co_varnames[: code.co_argcount + code.co_kwonlyargcount], code.co_argcount
+
+
 def _reduction(fn, args, kwargs) -> tuple[str | None, Callable | None]:
     """The reduction a loss call asks for, however it is spelled (``reduction=``, by position,
     or the deprecated ``size_average``/``reduce``, which override it), and a function that
     gives the call's (args, kwargs) with another reduction. (None, None) where ``fn`` takes no
-    reduction. Read from the function's own code, which dynamo can trace."""
-    code = getattr(fn, "__code__", None)
-    names = () if code is None else code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    reduction. Read from the function's own parameters (``_parameters``)."""
+    names, positional = _parameters(fn)
     if "reduction" not in names:
         return None, None
 
     def given(name, default=None):
         i = names.index(name) if name in names else None
-        if i is not None and i < code.co_argcount and i < len(args):
+        if i is not None and i < positional and i < len(args):
             return args[i]
         return kwargs.get(name, default)
 
@@ -1115,7 +1125,7 @@ def _reduction(fn, args, kwargs) -> tuple[str | None, Callable | None]:
             if name not in names:
                 continue
             i = names.index(name)
-            if i < code.co_argcount and i < len(a):
+            if i < positional and i < len(a):
                 a[i] = value
             elif name == "reduction" or name in kw:
                 kw[name] = value

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._compat import may_be_zero, removed_op
+from ._compat import known_true, may_be_zero, removed_op
 from ._constants import Bounds
 
 Tensor = torch.Tensor
@@ -272,18 +272,23 @@ def empty_operand(args, kwargs) -> bool | None:
     out of ``nonzero()`` or a boolean mask, known only at run time), False where none has.
     Nothing here puts a guard on a size: a backed symbolic size is known non-zero (dynamo
     specialises 0 and 1), and a data-dependent one is never asked for its value. Under
-    dynamo's own trace (a hardened model compiled) a symbolic size is read as non-zero, as it
-    always was: dynamo traces this function, and the backend's rewrite handles its graphs."""
+    dynamo's own trace (a hardened model compiled) a size reads as an int whatever it is, so
+    each is asked only through ``statically_known_true``, which dynamo answers without a
+    guard."""
     maybe = False
     tracing = torch.compiler.is_dynamo_compiling()
     for a in (*args, *kwargs.values()):
         v = _value(a)
         if v is not None and v.is_floating_point():
             for n in v.shape:
-                if isinstance(n, int):
+                if tracing:
+                    if known_true(n == 0):
+                        return True
+                    maybe = maybe or not known_true(n != 0)
+                elif isinstance(n, int):
                     if n == 0:
                         return True
-                elif not tracing and may_be_zero(n):
+                elif may_be_zero(n):
                     maybe = True
     return None if maybe else False
 

@@ -212,3 +212,25 @@ def test_an_eval_attention_compiles_fullgraph_under_the_backend_and_a_fully_padd
         out = torch.compile(mha, backend=be, fullgraph=True)(x, x, x, key_padding_mask=pad)[0]
     assert all_finite([out])
     assert any(c.action == "guarded" for g in be.graphs for c in g.changes)
+
+
+@pytest.mark.parametrize("loss", ["mse_loss", "l1_loss", "smooth_l1_loss"])
+def test_a_loss_over_a_data_dependent_selection_is_guarded_in_a_compiled_hardened_model(loss):
+    """An unbacked size (``nonzero()``) under dynamo's own trace: the guard cannot branch on it,
+    so the count picks at run time; a non-empty selection keeps the loss's bits."""
+    import torch.nn.functional as F
+
+    class Masked(nn.Module):
+        def forward(self, p, d):
+            i = (d > 0).nonzero().squeeze(1)
+            return getattr(F, loss)(p[i], d[i])
+
+    p = torch.tensor([0.5, -1.0, 2.0, 0.25], requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(nanpass.harden(Masked()), backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        out = compiled(p, torch.zeros(4))  # no valid element: 0 / 0 in the original
+        out.backward()
+        assert out.item() == 0.0 and torch.equal(p.grad, torch.zeros(4))
+        d = torch.tensor([1.0, 0.0, 3.0, 0.0])
+        assert torch.equal(compiled(p, d), Masked()(p, d))
