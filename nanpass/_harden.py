@@ -16,7 +16,6 @@ from ._check import (
     COLLECT,
     check_input,
     check_state,
-    runs_its_own_backward,
     state_scalar,
     state_tensors,
     watch_backward,
@@ -544,24 +543,7 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
 
         def on_hit(upstream):
             def backward(again):
-                outs = [o for o in leaves(again) if isinstance(o, torch.Tensor) and o.requires_grad]
-                pairs = [(o, upstream[k]) for k, o in enumerate(outs) if k in upstream]
-                if not pairs:
-                    return
-                outs, grads, ins = [o for o, _ in pairs], [g for _, g in pairs], inputs()
-                if not runs_its_own_backward(outs):
-                    torch.autograd.grad(outs, ins, grads, allow_unused=True)
-                    return
-                # a reentrant checkpoint refuses autograd.grad: a backward, with the leaves'
-                # .grad put back as they were after it
-                kept = [(t, t.grad) for t in ins if t.is_leaf]
-                for t, _ in kept:
-                    t.grad = None
-                try:
-                    torch.autograd.backward(outs, grads)
-                finally:
-                    for t, g in kept:
-                        t.grad = g
+                _screen.backward_again(again, upstream, inputs)
 
             with torch.enable_grad():
                 safe._check_again(args, kwargs, rng, None, backward)

@@ -308,24 +308,7 @@ class _Backward:
         ins = list(self.leaves)
 
         def backward(again):
-            outs = [o for o in leaves(again) if isinstance(o, Tensor) and o.requires_grad]
-            pairs = [(o, upstream[k]) for k, o in enumerate(outs) if k in upstream]
-            if not pairs:
-                return
-            outs_, grads_ = [o for o, _ in pairs], [g for _, g in pairs]
-            if ins and not runs_its_own_backward(outs_):
-                torch.autograd.grad(outs_, ins, grads_, allow_unused=True)
-                return
-            # a reentrant checkpoint refuses autograd.grad: a backward, with the leaves'
-            # .grad put back as they were after it
-            kept = [(t, t.grad) for t in ins if t.is_leaf]
-            for t, _ in kept:
-                t.grad = None
-            try:
-                torch.autograd.backward(outs_, grads_)
-            finally:
-                for t, g in kept:
-                    t.grad = g
+            backward_again(again, upstream, ins)
 
         with torch.enable_grad():
             safe._check_again(self.args, self.kwargs, self.rng, None, backward, kept=self.kept)
@@ -343,3 +326,26 @@ def _nonfinite_names(model, grads) -> str:
     shown = ", ".join(repr(b) for b in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
     return f"{'the parameter ' if len(bad) == 1 else ''}{shown}" if bad else ""
 
+
+def backward_again(again, upstream: dict, ins) -> None:
+    """The backward of a step run again, from the upstream gradients its outputs got the first
+    time (``upstream``: output index -> gradient), into ``ins`` (a list, or a function giving
+    it) with ``autograd.grad``, so nothing is accumulated; where a reentrant checkpoint refuses
+    ``autograd.grad``, a backward with the leaves' ``.grad`` put back as they were after it."""
+    outs = [o for o in leaves(again) if isinstance(o, Tensor) and o.requires_grad]
+    pairs = [(o, upstream[k]) for k, o in enumerate(outs) if k in upstream]
+    if not pairs:
+        return
+    outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    ins = ins() if callable(ins) else ins
+    if ins and not runs_its_own_backward(outs):
+        torch.autograd.grad(outs, ins, grads, allow_unused=True)
+        return
+    kept = [(t, t.grad) for t in ins if t.is_leaf]
+    for t, _ in kept:
+        t.grad = None
+    try:
+        torch.autograd.backward(outs, grads)
+    finally:
+        for t, g in kept:
+            t.grad = g
