@@ -398,8 +398,9 @@ class _EagerCalls:
         return False
 
 
-# every EagerSites made (report() looks for a model's eager calls in each), in order
-_EAGER: list[EagerSites] = []
+# every live EagerSites, in order made (report() looks for a model's eager calls in each); held
+# weakly: a backend made per torch.compile call (nanpass.enable's) leaves nothing behind it
+_EAGER: list[weakref.ref] = []
 
 
 def _eager_sites(config: Config) -> EagerSites | None:
@@ -408,12 +409,13 @@ def _eager_sites(config: Config) -> EagerSites | None:
     if config.mode != "guard":
         return None
     sites = EagerSites(config)
-    _EAGER.append(sites)
+    _EAGER[:] = [r for r in _EAGER if r() is not None]
+    _EAGER.append(weakref.ref(sites))
     return sites
 
 
 def eager_changes(model: torch.nn.Module | None) -> list[Change]:
-    return [c for s in _EAGER for c in s.changes_of(model)]
+    return [c for r in _EAGER if (s := r()) is not None for c in s.changes_of(model)]
 
 
 class Backend:

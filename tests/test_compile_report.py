@@ -211,3 +211,16 @@ def test_a_torch_without_the_compile_hook_is_told_once_that_eager_calls_run_ungu
         f(torch.ones(2))
         f(torch.ones(3, 2))  # a second graph: no second warning
     assert sum("run unguarded" in str(w.message) for w in seen) == 1
+
+
+def test_a_backend_made_per_compile_leaves_no_eager_sites_behind():
+    import gc
+
+    from nanpass import _backend
+
+    gc.collect()
+    before = sum(r() is not None for r in _backend._EAGER)
+    for _ in range(5):
+        nanpass.backend(inner="aot_eager")
+    gc.collect()
+    assert sum(r() is not None for r in _backend._EAGER) == before
