@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import operator
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -401,6 +402,7 @@ class _EagerCalls:
 # every live EagerSites, in order made (report() looks for a model's eager calls in each); held
 # weakly: a backend made per torch.compile call (nanpass.enable's) leaves nothing behind it
 _EAGER: list[weakref.ref] = []
+_EAGER_LOCK = threading.Lock()
 
 
 def _eager_sites(config: Config) -> EagerSites | None:
@@ -409,8 +411,9 @@ def _eager_sites(config: Config) -> EagerSites | None:
     if config.mode != "guard":
         return None
     sites = EagerSites(config)
-    _EAGER[:] = [r for r in _EAGER if r() is not None]
-    _EAGER.append(weakref.ref(sites))
+    with _EAGER_LOCK:
+        _EAGER[:] = [r for r in _EAGER if r() is not None]
+        _EAGER.append(weakref.ref(sites))
     return sites
 
 
