@@ -226,6 +226,9 @@ def _registered(module, name, submodule) -> None:
 torch.nn.modules.module.register_module_module_registration_hook(_registered)
 
 
+# never traced: a frame dynamo runs eagerly (a graph it could not compile) has its callees
+# compiled one by one, and torch 2.12's dynamo fails on ``obj in CALLS`` for a function object
+@torch.compiler.disable
 def scan(model: torch.nn.Module) -> str | None:
     """The first reason the model's code may reach one of torch's own callables past its
     stand-in (a reference taken before ``import nanpass``, held where no rebinding reaches: an
