@@ -226,10 +226,19 @@ def _registered(module, name, submodule) -> None:
 torch.nn.modules.module.register_module_module_registration_hook(_registered)
 
 
-# never traced: a frame dynamo runs eagerly (a graph it could not compile) has its callees
-# compiled one by one, and torch 2.12's dynamo fails on ``obj in CALLS`` for a function object
-@torch.compiler.disable
+_UNTRACED: list = []
+
+
 def scan(model: torch.nn.Module) -> str | None:
+    """``_scan``, never traced: a frame dynamo runs eagerly (a graph it could not compile) has
+    its callees compiled one by one, and torch 2.12's dynamo fails on ``obj in CALLS`` for a
+    function object (disabled on first use: importing dynamo at nanpass's import costs seconds)."""
+    if not _UNTRACED:
+        _UNTRACED.append(torch.compiler.disable(_scan))
+    return _UNTRACED[0](model)
+
+
+def _scan(model: torch.nn.Module) -> str | None:
     """The first reason the model's code may reach one of torch's own callables past its
     stand-in (a reference taken before ``import nanpass``, held where no rebinding reaches: an
     attribute, a default argument, a container, a partial; a torch.compile'd function, whose
