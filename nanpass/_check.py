@@ -335,19 +335,21 @@ def gradient_scalar(grads) -> Tensor | None:
     2-norm, in float32 at least. Finite when every gradient is; not finite also where finite
     gradients' squares pass the largest float (above about 1e19 in float32, where a gradient
     is about to diverge), which ``finite_exactly`` then tells apart, on that path only."""
-    by_dtype: dict = {}
+    groups: dict = {}
     for g in _gradients(grads):
-        by_dtype.setdefault(g.dtype, []).append(g)
-    if not by_dtype:
+        groups.setdefault((g.dtype, g.device), []).append(g)
+    if not groups:
         return None
-    norms = []
+    maxima = []
     with torch.no_grad():  # (create_graph: not a node of the graph)
-        for dtype, gs in by_dtype.items():
+        for (dtype, _), gs in groups.items():
             wider = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
-            norms += foreach_norm(gs, 2.0, wider)
-        on = norms[0].device
+            maxima.append(torch.stack(foreach_norm(gs, 2.0, wider)).amax())  # (amax keeps a NaN)
+        on = maxima[0].device
         wide = torch.float32 if on.type == "mps" else torch.float64  # (MPS has no float64)
-        return torch.stack([n.to(device=on, dtype=wide) for n in norms]).amax()
+        if len(maxima) == 1:
+            return maxima[0].to(wide)
+        return torch.stack([n.to(device=on, dtype=wide) for n in maxima]).amax()
 
 
 def finite_exactly(grads) -> bool:

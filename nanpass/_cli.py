@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                    "warn: warn instead; guard: guard the unsafe ops and skip non-finite optimizer "
                    "steps; count: guard, and print which guards fired how often")
     r.add_argument("--report", metavar="FILE.html", help="write the report of every unsafe op seen")
+    r.add_argument("--every-op", action="store_true",
+                   help="check (and warn): watch every call of every step, as a debugger does, "
+                   "instead of screening each module call's outputs and gradients and running "
+                   "it again at each op only when they are not finite (the default)")
     r.add_argument("script", help="the Python script to run")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     for name, text in (("report", "harden the model and print the report of every change"),
@@ -256,7 +260,8 @@ def _format(report, fmt: str, color: bool) -> str:
     return report.to_text(color=color)
 
 
-def run_script(mode: str, report: str | None, script: str, script_args: list[str]) -> int:
+def run_script(mode: str, report: str | None, script: str, script_args: list[str],
+               every_op: bool = False) -> int:
     """``python script.py args`` with nanpass.enable(mode) on: the script sees what python
     gives it (an absolute ``__file__``, its own directory first on ``sys.path``, ``sys.argv``
     as typed), and its own exit status and message. Every finding is named whatever ends the
@@ -288,7 +293,7 @@ def run_script(mode: str, report: str | None, script: str, script_args: list[str
     sys.argv = [script, *script_args]
     stopped = (f"nanpass run: stopped {script} at the first NaN/Inf it made (above: the op, your "
                f"line, its operands); `--mode guard` trains through it")
-    on = enable(mode, report=report)
+    on = enable(mode, report=report, **({"every_op": True} if every_op else {}))
     on.stopped = stopped  # (printed after a finding read at os._exit)
     finding: NonFiniteError | None = None
     failure: BaseException | None = None
@@ -397,10 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     if split is not None:  # the script's arguments pass untouched, a `--` among them
         own, rest = split
         args = _parser().parse_args([*[a for a in own if a != "--"], rest[0]])
-        return run_script(args.mode, args.report, rest[0], rest[1:])
+        return run_script(args.mode, args.report, rest[0], rest[1:], args.every_op)
     args = _parser().parse_args(argv)
     if args.command == "run":
-        return run_script(args.mode, args.report, args.script, args.args)
+        return run_script(args.mode, args.report, args.script, args.args, args.every_op)
     try:
         return _run(args)
     except SystemExit as e:  # the target's own exit, anywhere else (certify traces it too)

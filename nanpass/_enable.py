@@ -23,10 +23,11 @@ import torch.distributed as dist
 import torch.optim.optimizer as optim_hooks
 
 from ._check import COLLECT, NonFiniteError
-from ._compat import eager_handler, foreach_norm, functorch_active, graphs_run_outside
+from ._compat import eager_handler, foreach_norm, function_mode_stack, functorch_active, graphs_run_outside
 from ._config import _choices, make_config
 from ._errors import ConfigError, NanpassError
 from ._intercept import GuardMode, Sites
+from ._screen import ProgramScreen
 from ._selfcheck import refuse_broken_guards
 from ._stats import StatRow, Stats
 from ._train import _local
@@ -88,6 +89,10 @@ class Enabled:
             # an optimizer step (with the backward's) and at the end (on a GPU a read waits for
             # every queued kernel)
             self._watch.start_program()
+        # the screen (issue 47): each outermost module call runs as written, screened, and
+        # runs again at each op on a hit; every_op=True keeps the check at every call
+        self._screen = (ProgramScreen(self) if self._watch is not None and not config.stop_at_op
+                        and not config.every_op else None)
         self.skipped = 0
         self._mode = _ProgramMode(self.sites)
         self._handles: list = []
@@ -98,6 +103,9 @@ class Enabled:
         self._saved: dict = {}  # what _start replaced, put back by _off
         self._scaler = _ScalerLog()
         self._stepped = False
+        # the modes below the program's, while it is off the stack from an optimizer step to the
+        # next module call (``_lift``); None: on the stack
+        self._lifted: tuple | None = None
 
     # -- on and off ----------------------------------------------------------------------------
     def _start(self) -> Enabled:
@@ -125,10 +133,14 @@ class Enabled:
                        "env": os.environ.get(CHILD_ENV)}
         os._exit = self._os_exit
         warnings.showwarning = self._showwarning
-        os.environ[CHILD_ENV] = self.mode if not self._options else ""
+        # (a child runs in the mode, and every_op; other options are not passed on)
+        every = self._options == {"every_op": True}
+        os.environ[CHILD_ENV] = (self.mode + (",every_op" if every else "")) if not self._options or every else ""
         _patch_spawn(True)
         _ScalerLog.install()
         self._mode.__enter__()
+        if self._screen is not None:
+            self._screen.start()
         self._on = True
         return self
 
@@ -163,7 +175,11 @@ class Enabled:
                 raise NanpassError("nanpass: disable() the enable started inside this one first "
                                    "(enables end in the reverse order they started)")
         self._on = False
-        self._mode.__exit__(None, None, None)
+        if self._screen is not None:
+            self._screen.stop()
+        if self._lifted is None:
+            self._mode.__exit__(None, None, None)
+        self._lifted = None
         torch.compile = self._compile if self._outer is None else self._outer._compiled
         for h in self._handles:
             h.remove()
@@ -282,7 +298,29 @@ class Enabled:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
         self._skip_if_non_finite(optimizer)
+        if self._screen is not None and self._screen.called:
+            self._lift()
         return None
+
+    def _lift(self) -> None:
+        """The screen's program: its mode off the stack from an optimizer step (whose every
+        attribute read would enter it) to the next module call (``land``), which puts it back;
+        ``zero_grad`` and the data's preparation in between run as written. Only where the
+        program calls modules (a module call since the last step), so that one that does not
+        stays watched."""
+        self._screen.called = False
+        stack = function_mode_stack()
+        if stack and stack[-1] is self._mode:
+            self._mode.__exit__(None, None, None)
+            self._lifted = tuple(stack[:-1])
+
+    def land(self) -> None:
+        """The program's mode back on the stack, where the stack is as ``_lift`` left it (a
+        mode the program entered since, ``with torch.device(...)``, is left on top: the mode
+        waits for the next module call outside it)."""
+        if self._lifted is not None and tuple(function_mode_stack()) == self._lifted:
+            self._mode.__enter__()
+            self._lifted = None
 
     def _closure(self, optimizer, closure):
         def run():
@@ -533,7 +571,8 @@ def _child(prog: str) -> None:
     if not mode:
         exec(prog, {"__name__": "__main__"})  # noqa: S102 - multiprocessing's own program
         return
-    on = enable(mode)
+    mode, _, every = mode.partition(",")
+    on = enable(mode, **({"every_op": True} if every == "every_op" else {}))
     on.stopped = f"nanpass: stopped the spawned process {os.getpid()} at the first NaN/Inf it made"
     code = 0
     try:

@@ -36,12 +36,14 @@ a buffer no forward writes costs nothing.
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 
 import torch
 
 from . import _fastpath
-from ._check import finite_exactly, gradient_scalar, runs_its_own_backward
-from ._compat import at_backward_end, backward_accumulates, version
+from ._check import COLLECT, check_input, check_state, finite_exactly, gradient_scalar, runs_its_own_backward
+from ._compat import at_backward_end, backward_accumulates, function_mode_stack, functorch_active, version
 from ._deferred import FINITE, NAN, read, scalar
 from ._watch import leaves, readable
 
@@ -192,8 +194,8 @@ def not_reproduced(safe, phase: str, saw: str, run: bool = True) -> None:
            "does not replay, a data-dependent kernel, or state the step changed)") if run else " (not reproduced)"
     safe._nanpass_sites.checker._emit(
         phase, "NaN/Inf", None,
-        f"{saw}{why}; harden(model, mode={config.mode!r}, every_op=True) checks each op of every "
-        f"step as it runs")
+        f"{saw}{why}; {getattr(safe, '_nanpass_every_op', None) or f'harden(model, mode={config.mode!r}, every_op=True)'}"
+        f" checks each op of every step as it runs")
 
 
 class _Backward:
@@ -264,6 +266,13 @@ class _Backward:
             self.partial.append(scalar(g))
 
     def finish(self) -> None:
+        got = self._collect()
+        if got is not None:
+            self._judge(read([s.to(got[0][0].device) for s in got[0]]), *got[1:])  # the one read
+
+    def _collect(self):
+        """At the backward's end: its scalars on the device (the gradients the outputs got,
+        the leaves' and the inputs'), with what judging them needs; None: nothing to read."""
         self.armed = False
         for h in self.handles:
             h.remove()
@@ -280,13 +289,21 @@ class _Backward:
         if norm is not None:  # (a 2-norm: the fastest fused reduction a CPU has, 0.14 ms for
             every.append(norm)  # GPT-2 12L 32 wide's 148 gradients, against 0.57 ms for a max)
         if not every:
-            return
-        st = read([s.to(every[0].device) for s in every])  # the one read
+            return None
+        return every, heads, upstream, grads, norm
+
+    def _judge(self, st: list[int], heads, upstream, grads, norm, absorb=None) -> None:
+        """The states of ``every``, read: on a gradient that is not finite, the step again
+        (``absorb``: a GradScaler skipped the step: an overflow is its own, not a finding)."""
+        watch = self.safe._nanpass_sites.checker
         if all(s == FINITE for s in st) or self.explained:
             return
         if all(s == FINITE for s in st[:-1]) and norm is not None and finite_exactly(grads):
             return  # (finite gradients whose squares pass the largest float: about 1e19 in float32)
         name = type(self.safe._nanpass_model).__name__
+        if absorb is not None and NAN not in st:
+            absorb.take(f"the backward of {name}")
+            return
         if self.second:
             not_reproduced(self.safe, "backward", (
                 f"the screen saw a non-finite gradient in a backward through the gradients of an "
@@ -349,3 +366,224 @@ def backward_again(again, upstream: dict, ins) -> None:
     finally:
         for t, g in kept:
             t.grad = g
+
+
+# -- nanpass.enable / nanpass run: each outermost module call screened -------------------------
+
+# how many screened calls a program may keep for a run again before it reads (an evaluation
+# loop with no backward and no optimizer step: the inputs each keeps would pile up)
+_HELD = 8
+_CALL = torch.nn.Module.__call__  # torch's own: the wrapper below is in place only while screening
+_MAIN = threading.main_thread().ident
+_ON: list = []  # the program screens on now, the innermost last (it alone screens)
+
+
+def _skipped(module) -> bool:
+    """A compiled module (its graph is the backend's to check) or a hardened one (its own
+    check): run as today, under the program's mode."""
+    return type(module).__module__ == "torch._dynamo.eval_frame" or hasattr(module, "_nanpass_sites")
+
+
+def _call(module, *args, **kwargs):
+    """``nn.Module.__call__`` while a program is screened: an outermost call of the main thread
+    is screened (``ProgramScreen.call``); every other call is torch's own."""
+    if torch.compiler.is_compiling() or not _ON:  # (first: dynamo inlines this function)
+        return _CALL(module, *args, **kwargs)
+    screen = _ON[-1]
+    if screen.depth or threading.get_ident() != _MAIN:
+        return _CALL(module, *args, **kwargs)
+    return screen.call(module, args, kwargs)
+
+
+class _Unit:
+    """One module of a program, as the screen's run again sees it (what ``_Backward`` and
+    ``not_reproduced`` read of a hardened model). Holds the module weakly."""
+
+    def __init__(self, screen: ProgramScreen, module):
+        self.screen = screen
+        self._module = weakref.ref(module)
+        self._nanpass_sites = screen.sites
+        self._nanpass_config = screen.sites.config
+        self._nanpass_every_op = "nanpass.enable(every_op=True) (nanpass run --every-op)"
+
+    @property
+    def _nanpass_model(self):
+        return self._module()
+
+    def _check_again(self, args, kwargs, rng, verdict, backward=None, kept=None, saw=None):
+        self.screen.again(self._module(), args, kwargs, rng, kept, saw, backward)
+
+
+class ProgramScreen:
+    """nanpass.enable's screen (issue 47): each outermost module call of the program's main
+    thread runs as written, with the program's mode off the stack (so the calls inside it cost
+    what they cost without nanpass); its outputs' scalars join the program's verdicts, and the
+    backward that reaches them is screened as a hardened model's is (``_Backward``). The
+    verdicts are read where the program reads them already (when ``loss.backward()`` starts,
+    before an optimizer step, at the end), so a step still reads the host at most twice. On a
+    hit the call runs again, from the same inputs, random state and buffers, with the check at
+    each op, which names the op. The code between module calls (a loss written inline) keeps
+    the check at each call. Each module's first call is checked at each op."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+        self.sites = enabled.sites
+        self.watch = enabled.sites.checker
+        self.depth = 0
+        self.units: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.watch.screening = True
+        self.called = False  # a module was called since the last optimizer step
+
+    def start(self) -> None:
+        _ON.append(self)
+        if torch.nn.Module.__call__ is _CALL:
+            torch.nn.Module.__call__ = _call
+
+    def stop(self) -> None:
+        if self in _ON:
+            _ON.remove(self)
+        if not _ON and torch.nn.Module.__call__ is _call:
+            torch.nn.Module.__call__ = _CALL
+
+    def call(self, module, args: tuple, kwargs: dict):
+        en, watch = self.enabled, self.watch
+        mode = en._mode
+        self.called = True
+        if en._lifted is not None:
+            en.land()
+        stack = function_mode_stack()
+        unit = self.units.get(module)
+        if (mode.paused or not watch.screening or not stack or stack[-1] is not mode or unit is None
+                or COLLECT.get() is not None or functorch_active() or torch.jit.is_tracing()
+                or _skipped(module)):
+            if unit is None and not _skipped(module):  # its first call: at each op
+                self.units[module] = _Unit(self, module)
+            return _CALL(module, *args, **kwargs)
+        if len(watch.screens) >= _HELD:
+            en.flush()
+        rng = rng_state()
+        layout = layout_of(unit)
+        kept = layout.before(module)
+        mode.__exit__(None, None, None)  # the calls inside run as written, and the screen's own
+        self.depth += 1
+        try:
+            out = _CALL(module, *args, **kwargs)
+            layout.after()
+            self._screen(unit, out, args, kwargs, rng, kept)
+        finally:
+            self.depth -= 1
+            mode.__enter__()
+        return out
+
+    def _screen(self, unit, out, args, kwargs, rng, kept) -> None:
+        watch = self.watch
+        step = watch.pending
+        if step is None:  # (not the main thread's program: cannot happen here)
+            return
+        outs = leaves(out)
+        heads = [step.add(o) for o in outs if float_value(o)]
+        data = [k if (k := step.get(t)) is not None else step.add(t)
+                for t in leaves((args, kwargs)) if float_value(t)]
+        watch.screens.append(_Called(unit, args, kwargs, rng, kept, heads, data))
+        if torch.is_grad_enabled():
+            _ProgramBackward.watch(unit, args, kwargs, rng, kept, outs, explained=False)
+
+    def again(self, module, args, kwargs, rng, kept, saw, backward=None) -> None:
+        """``module``'s call again with the check at each op, from the first run's random
+        state and buffers (its buffer writes go to copies); ``backward(out)`` its backward."""
+        if module is None:
+            return
+        watch = self.watch
+        after = rng_state()
+        held, copies = [], {}
+        for mod in module.modules():
+            for name, b in mod.named_buffers(recurse=False):
+                if b is not None and b.is_floating_point():
+                    held.append((mod, name, b))
+                    got = copies.get(id(b))
+                    if got is None:
+                        before = kept.get(id(b)) if kept else None
+                        got = copies[id(b)] = (b, before if before is not None else b.detach().clone())
+                    setattr(mod, name, got[1])
+        set_rng_state(rng)
+        program, paused = watch.program, self.enabled._mode.paused
+        watch.program = False  # (checked at each op, here and now)
+        self.enabled._mode.paused += 1  # (the program's mode, under the run again's)
+        self.depth += 1
+        try:
+            warn = watch.warn
+            check_state(module, warn)
+            for k, t in enumerate(leaves((args, kwargs))):
+                if float_value(t):
+                    check_input(t, f"input tensor {k} of {type(module).__name__}", warn)
+            with watch.at_each_op(), self.sites.mode():
+                out = _CALL(module, *args, **kwargs)
+                if backward is not None:
+                    backward(out)
+        finally:
+            self.depth -= 1
+            self.enabled._mode.paused = paused
+            watch.program = program
+            set_rng_state(after)
+            for mod, name, b in held:
+                setattr(mod, name, b)
+        return out if backward is None else None
+
+
+class _Called:
+    """One screened call, its outputs' and its data's slots in the program's forward."""
+
+    __slots__ = ("unit", "args", "kwargs", "rng", "kept", "heads", "data")
+
+    def __init__(self, unit, args, kwargs, rng, kept, heads, data):
+        self.unit, self.args, self.kwargs, self.rng, self.kept = unit, args, kwargs, rng, kept
+        self.heads, self.data = heads, data
+
+    scalars = ()  # (its scalars are the forward's)
+
+    def judge(self, st, forward: list[int], absorb, by_slot: dict) -> None:
+        """A NaN in an output, or an infinity, runs the call again at each op: a NaN or an
+        overflow is named there; an infinity made on purpose is remembered with where it was
+        born (``by_slot``), for the code after the call that may turn it into NaN."""
+        bad = [k for k in self.heads if forward[k] != FINITE]
+        nan_data = [k for k in self.data if forward[k] == NAN]
+        unit, watch = self.unit, self.unit.screen.watch
+        if not bad and not nan_data:
+            return
+        if watch.found:
+            return
+        module = unit._nanpass_model
+        out = unit.screen.again(module, self.args, self.kwargs, self.rng, self.kept, None)
+        if watch.found or out is None:
+            return
+        again = [o for o in leaves(out) if float_value(o)]
+        for k, o in zip(self.heads, again, strict=False):
+            origin = watch._origin(o) if forward[k] != FINITE else None
+            if origin is not None:
+                by_slot[k] = origin
+        if any(forward[k] == NAN for k in bad):
+            name = type(module).__name__
+            not_reproduced(unit, "forward", f"the screen saw NaN in an output of {name}")
+
+
+class _ProgramBackward(_Backward):
+    """A screened call's backward, its scalars read with the program's (``_Called``)."""
+
+    __slots__ = ()
+
+    def finish(self) -> None:
+        got = self._collect()
+        if got is not None:
+            self.explained = self.explained or self.safe._nanpass_sites.checker.found
+            self.safe._nanpass_sites.checker.screens.append(_Judged(self, got))
+
+
+class _Judged:
+    __slots__ = ("backward", "got", "scalars")
+
+    def __init__(self, backward: _ProgramBackward, got: tuple):
+        self.backward, self.got = backward, got
+        self.scalars = got[0]
+
+    def judge(self, st, forward, absorb, by_slot) -> None:
+        self.backward._judge(st, *self.got[1:], absorb=absorb)

@@ -234,6 +234,9 @@ class Watch:
         self.program = False
         self._program: Forward | None = None
         self._backwards: list[Backward] = []
+        # nanpass.enable's screen: outermost module calls and their backwards, judged when the
+        # program's verdicts are read (``_screen.ProgramScreen``)
+        self.screens: list = []
         # compiled check mode: patterns of infinities found made on purpose, and the backward
         # checks waiting (``_harden._settle``)
         self.quiet: set = set()
@@ -704,8 +707,9 @@ class Watch:
         purpose that was still travelling is named too (the program's own check of it failed)."""
         step, self._program = self._program, None
         backwards, self._backwards = self._backwards, []
+        screens, self.screens = self.screens, []
         fw = step.scalars if step is not None else []
-        scalars = [s for bw in backwards for s in bw.scalars] + fw
+        scalars = [s for bw in backwards for s in bw.scalars] + [s for c in screens for s in c.scalars] + fw
         if not scalars:
             return
         st = read(scalars)  # the one read
@@ -714,10 +718,15 @@ class Watch:
             self.found = self.found or bw.explained  # (a NaN its forward had, named already)
             self.backward_verdicts(bw, st[k:k + len(bw.scalars)], absorb, note)
             k += len(bw.scalars)
-        st = st[k:]
+        st_fw = st[k + sum(len(c.scalars) for c in screens):]
+        by_slot: dict = {}
+        for c in screens:  # the screened module calls and their backwards, in the order they ran
+            c.judge(st[k:k + len(c.scalars)], st_fw, absorb, by_slot)
+            k += len(c.scalars)
+        st = st_fw
         if fw and (step.verdict(st) is not None or (failing and any(v != FINITE for v in st))):
             self._travelled = None
-            self._replay(step, st)
+            self._replay(step, st, by_slot)
             for t, what in step.escapes:
                 self.escaped([t], what)
             if failing and not self.found and self._travelled is not None:
@@ -726,10 +735,11 @@ class Watch:
                            f"an infinity reached {site} before the program raised\n  it was "
                            f"{origin} (quiet while it dies; this one did not)", created=False)
 
-    def _replay(self, step: Forward, st: list[int]) -> None:
+    def _replay(self, step: Forward, st: list[int], by_slot: dict | None = None) -> None:
         """The per-op check, made now from the states on each recorded call whose result was
-        not finite, in the order the calls ran (``_from_states``)."""
-        by_slot: dict[int, _Origin] = {}  # where each non-finite value's infinity was born
+        not finite, in the order the calls ran (``_from_states``). ``by_slot``: where each
+        non-finite value's infinity was born, as far as known already (a screened call's)."""
+        by_slot = {} if by_slot is None else by_slot
         for r in step.records:
             if r.call is not None and any(st[k] != FINITE for k in r.outs):
                 self._from_states(step, r, st, by_slot)
