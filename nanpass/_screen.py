@@ -35,6 +35,7 @@ a buffer no forward writes costs nothing.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 import weakref
@@ -143,6 +144,9 @@ def forward(safe, args: tuple, kwargs: dict):
     written, then one read of its outputs' and its data's scalars."""
     sites, model = safe._nanpass_sites, safe._nanpass_model
     watch = sites.checker
+    stale = _unread(safe).pop(threading.get_ident(), None)
+    if stale is not None:  # (the last forward's outputs: no backward reached them)
+        stale.read_ahead()
     watch.found = False
     rng = rng_state()
     layout = layout_of(safe)
@@ -157,24 +161,48 @@ def forward(safe, args: tuple, kwargs: dict):
     outs = leaves(out)
     heads = [o for o in outs if float_value(o)]
     data = [t for t in leaves((args, kwargs)) if float_value(t)]
-    st = read([scalar(t) for t in (*heads, *data)])  # the one read
-    bad = [k for k, s in enumerate(st[:len(heads)]) if s != FINITE]
-    nan_data = [k for k, s in enumerate(st[len(heads):]) if s == NAN]
-    if bad or nan_data:
-        saw = _saw(model, heads, bad, data, nan_data, st)
-        safe._check_again(args, kwargs, rng, "definite", kept=kept, saw=saw)
+    ahead = _Forward([scalar(t) for t in (*heads, *data)], [_shape(t) for t in heads], [_shape(t) for t in data])
     if torch.is_grad_enabled():
-        _Backward.watch(safe, args, kwargs, rng, kept, outs, explained=watch.found)
+        # in a training loop (this thread's last forward was reached by a backward) the
+        # forward's scalars are read with the backward's, when it ends: one read a step
+        later = _backed(safe).get(threading.get_ident(), False)
+        step = _Backward.watch(safe, args, kwargs, rng, kept, outs, explained=False,
+                               ahead=ahead if later else None)
+        if step is not None and later:
+            return out
+        ahead.judge(safe, read(ahead.scalars), args, kwargs, rng, kept)  # the one read
+        if step is not None:
+            step.explained = watch.found
+        return out
+    ahead.judge(safe, read(ahead.scalars), args, kwargs, rng, kept)  # the one read
     return out
 
 
-def _saw(model, heads, bad, data, nan_data, st) -> str:
-    name = type(model).__name__
-    parts = [f"{'NaN' if st[k] == NAN else 'an infinity'} in output {k} of {name} "
-             f"(shape {tuple(heads[k].shape)} {str(heads[k].dtype)[6:]})" for k in bad]
-    parts += [f"NaN in input tensor {k} (shape {tuple(data[k].shape)} {str(data[k].dtype)[6:]})"
-              for k in nan_data]
-    return "the screen saw " + "; ".join(parts)
+def _shape(t) -> str:
+    return f"shape {tuple(t.shape)} {str(t.dtype)[6:]}"
+
+
+class _Forward:
+    """A screened forward's scalars (its outputs', then its data's), and what they were."""
+
+    __slots__ = ("scalars", "heads", "data")
+
+    def __init__(self, scalars: list, heads: list[str], data: list[str]):
+        self.scalars, self.heads, self.data = scalars, heads, data
+
+    def judge(self, safe, st: list[int], args, kwargs, rng, kept) -> bool:
+        """On an output that is not finite, or NaN in the data, the forward again at each op,
+        which names the op (True: there was one)."""
+        n = len(self.heads)
+        bad = [k for k in range(n) if st[k] != FINITE]
+        nan_data = [k for k in range(len(self.data)) if st[n + k] == NAN]
+        if not bad and not nan_data:
+            return False
+        name = type(safe._nanpass_model).__name__
+        parts = [f"{'NaN' if st[k] == NAN else 'an infinity'} in output {k} of {name} ({self.heads[k]})" for k in bad]
+        parts += [f"NaN in input tensor {k} ({self.data[k]})" for k in nan_data]
+        safe._check_again(args, kwargs, rng, "definite", kept=kept, saw="the screen saw " + "; ".join(parts))
+        return True
 
 
 def drop_later(watch) -> None:
@@ -198,6 +226,32 @@ def not_reproduced(safe, phase: str, saw: str, run: bool = True) -> None:
         f" checks each op of every step as it runs")
 
 
+_UNREAD: weakref.WeakSet = weakref.WeakSet()  # backward screens whose forward is not read yet
+_AT_EXIT: list = []
+
+
+def _unread(safe) -> dict:
+    """Thread id -> the backward screen of ``safe``'s last forward there, its forward unread."""
+    got = safe.__dict__.get("_nanpass_unread")
+    if got is None:
+        got = safe.__dict__["_nanpass_unread"] = {}
+    return got
+
+
+def _backed(safe) -> dict:
+    """Thread id -> whether a backward reached the outputs of ``safe``'s last forward there."""
+    got = safe.__dict__.get("_nanpass_backed")
+    if got is None:
+        got = safe.__dict__["_nanpass_backed"] = {}
+    return got
+
+
+def _read_at_exit() -> None:
+    """The forwards no backward reached, read as the program ends (a finding is said then)."""
+    for step in list(_UNREAD):
+        step.read_ahead()
+
+
 class _Backward:
     """The backward screen of one screened forward: a hook on each output that needs a
     gradient (the gradient the loss gives it, kept for a run again), and one read when the
@@ -205,14 +259,24 @@ class _Backward:
 
     __slots__ = ("safe", "args", "kwargs", "rng", "kept", "explained", "upstream", "heads",
                  "armed", "accumulates", "leaves", "kept_in", "handles", "partial", "graphed", "second",
-                 "__weakref__")
+                 "ahead", "tid", "__weakref__")
 
     @classmethod
-    def watch(cls, safe, args, kwargs, rng, kept, outs, explained: bool) -> None:
+    def watch(cls, safe, args, kwargs, rng, kept, outs, explained: bool, ahead: _Forward | None = None):
+        """The backward screen of a forward (None: no output needs a gradient). ``ahead``: the
+        forward's scalars, read with the backward's (or, where no backward reaches the outputs,
+        at the model's next forward on this thread, or when the program exits)."""
         watched = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
         if not watched:
-            return
+            return None
         step = cls()
+        step.ahead = ahead
+        step.tid = threading.get_ident()  # (the forward's thread: a GPU's backward runs on another)
+        if ahead is not None:
+            _unread(safe)[step.tid] = step
+            if not _AT_EXIT:
+                _AT_EXIT.append(atexit.register(_read_at_exit))
+            _UNREAD.add(step)
         step.safe, step.args, step.kwargs, step.rng, step.kept = safe, args, kwargs, rng, kept
         step.explained = explained
         step.upstream, step.heads, step.armed = {}, [], False
@@ -221,6 +285,18 @@ class _Backward:
         step.graphed = step.second = False
         for k, o in enumerate(watched):
             o.register_hook(functools.partial(step.reached, k))
+        return step
+
+    def read_ahead(self) -> None:
+        """The forward's scalars, read alone: no backward reached its outputs before the
+        model's next forward (an evaluation with grad on), or the program is ending."""
+        ahead, self.ahead = self.ahead, None
+        _UNREAD.discard(self)
+        _backed(self.safe).pop(self.tid, None)  # (its next forward: read at once)
+        if ahead is not None:
+            with torch.enable_grad():  # (as the forward ran)
+                self.explained = ahead.judge(self.safe, read(ahead.scalars), self.args, self.kwargs,
+                                             self.rng, self.kept) or self.explained
 
     def _leaves(self) -> list[Tensor]:
         return (layout_of(self.safe).parameters(self.safe._nanpass_model)
@@ -230,6 +306,8 @@ class _Backward:
     def reached(self, k: int, g):
         if not self.armed:  # the first output this backward reached: a new backward
             self.armed = True
+            if type(self) is _Backward:
+                _backed(self.safe)[self.tid] = True
             # a backward after one that made a graph of its gradients (create_graph=True: a
             # gradient penalty) runs through those gradients: a backward of the user's code
             # between the two, which a run again of the step cannot replay
@@ -284,18 +362,31 @@ class _Backward:
             drop_later(watch)
             watch.later = self.handles
         grads = [g for t in self.kept_in if (g := t.grad) is not None] if self.accumulates else []
-        every = [s for _, s in heads] + partial
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            _UNREAD.discard(self)
+            unread = _unread(self.safe)
+            if unread.get(self.tid) is self:
+                del unread[self.tid]
+        every = (list(ahead.scalars) if ahead is not None else []) + [s for _, s in heads] + partial
         norm = gradient_scalar(grads) if grads else None
         if norm is not None:  # (a 2-norm: the fastest fused reduction a CPU has, 0.14 ms for
             every.append(norm)  # GPT-2 12L 32 wide's 148 gradients, against 0.57 ms for a max)
         if not every:
             return None
-        return every, heads, upstream, grads, norm
+        return every, ahead, heads, upstream, grads, norm
 
-    def _judge(self, st: list[int], heads, upstream, grads, norm, absorb=None) -> None:
-        """The states of ``every``, read: on a gradient that is not finite, the step again
-        (``absorb``: a GradScaler skipped the step: an overflow is its own, not a finding)."""
+    def _judge(self, st: list[int], ahead, heads, upstream, grads, norm, absorb=None) -> None:
+        """The states of ``every``, read: the forward's first (``ahead``: on a hit the forward
+        again, which names it); on a gradient that is not finite, the step again (``absorb``: a
+        GradScaler skipped the step: an overflow is its own, not a finding)."""
         watch = self.safe._nanpass_sites.checker
+        if ahead is not None:
+            n = len(ahead.scalars)
+            with torch.enable_grad():  # (as the forward ran)
+                if ahead.judge(self.safe, st[:n], self.args, self.kwargs, self.rng, self.kept):
+                    return  # (the backward's non-finite gradients are that forward's)
+            st = st[n:]
         if all(s == FINITE for s in st) or self.explained:
             return
         if all(s == FINITE for s in st[:-1]) and norm is not None and finite_exactly(grads):

@@ -220,3 +220,53 @@ def test_a_gradient_penalty_s_second_backward_is_said_then_watched_at_every_op()
     assert "not reproduced" in str(e.value)
     with pytest.raises(nanpass.NonFiniteError, match="^nanpass: non-finite gradient created by the backward of"):
         step()  # the next step, at every op: the op is named
+
+
+class SqrtOfShifted(nn.Module):
+    """sqrt(x - 1): finite for x = 2, NaN for x = 0 (exact values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return torch.sqrt(x - 1.0) * self.w
+
+
+def _loop_then(model, x, bad, backward: bool):
+    """Three training steps, then ``bad`` through the model (its backward if ``backward``)."""
+    for _ in range(3):
+        model(x).sum().backward()
+    out = model(bad)
+    if backward:
+        out.sum().backward()
+    return out
+
+
+def test_in_a_training_loop_a_forward_nan_is_named_when_its_backward_ends():
+    """One read a step: the forward's scalars wait for the backward's; the finding names the
+    forward's op and line as the check of every op does, raised from ``backward()``."""
+    model = SqrtOfShifted()
+    x, bad = torch.full((3, 4), 2.0), torch.zeros(3, 4)
+    every = nanpass.harden(model, mode="check", every_op=True)
+    with pytest.raises(nanpass.NonFiniteError) as want:
+        _loop_then(every, x, bad, backward=False)
+    safe = nanpass.harden(model, mode="check")
+    out = None
+    with pytest.raises(nanpass.NonFiniteError) as got:
+        out = _loop_then(safe, x, bad, backward=False)  # the forward: not read yet
+        out.sum().backward()
+    assert out is not None  # (raised by the backward, not the forward)
+    assert str(got.value).splitlines()[0] == str(want.value).splitlines()[0]
+
+
+def test_a_forward_no_backward_reaches_is_read_at_the_next_forward():
+    """An evaluation with grad on after training steps: its forward's scalars are read at the
+    model's next forward, which names the op; the forward after that reads at once again."""
+    safe = nanpass.harden(SqrtOfShifted(), mode="check")
+    x, bad = torch.full((3, 4), 2.0), torch.zeros(3, 4)
+    _loop_then(safe, x, bad, backward=False)  # no backward reaches the bad forward
+    with pytest.raises(nanpass.NonFiniteError, match="torch.sqrt"):
+        safe(x)
+    with pytest.raises(nanpass.NonFiniteError, match="torch.sqrt"):
+        safe(bad)  # (read at once: the last forward was not reached by a backward)

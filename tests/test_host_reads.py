@@ -715,3 +715,24 @@ def test_compiled_check_names_a_gradient_no_walk_to_the_parameters_sees(case):
         return _Reentrant(), torch.ones(4, requires_grad=True)
 
     assert "torch.sqrt" in _both_name(make).split("\n")[0]
+
+
+def _reads_in_a_loop(model, batch, steps: int = 3) -> int:
+    for _ in range(steps - 1):
+        _step(model, batch)
+        model.zero_grad(set_to_none=True)
+    with _Reads() as r:
+        _step(model, batch)
+    return r.n
+
+
+@pytest.mark.parametrize("mode", ["check", "warn"])
+@pytest.mark.parametrize("name", ["mlp", "encoder", "gpt2"])
+def test_the_screen_reads_the_host_once_a_training_step(name, mode):
+    """In a training loop (the model's last forward was reached by a backward) the screen
+    reads its forward's scalars with its backward's, when the backward ends: one read a step
+    beyond the plain step's (on a GPU each read waits for every queued kernel)."""
+    model, batch = _model(name)
+    plain = _reads_in_a_loop(model, batch)
+    checked = _reads_in_a_loop(nanpass.harden(model, mode=mode, watch=None), batch)
+    assert checked <= plain + 1, f"{name}, mode={mode}: {checked} host reads a step, plain {plain}"
