@@ -200,7 +200,7 @@ class Hardened(torch.nn.Module):
         held, copies = [], {}
         for mod in model.modules():
             for name, b in mod.named_buffers(recurse=False):
-                if b is not None and b.is_floating_point():
+                if b is not None:  # (an integer one too: a batch norm's num_batches_tracked)
                     held.append((mod, name, b))
                     copy_ = copies.get(id(b))  # (a buffer two modules share: one copy)
                     if copy_ is None:

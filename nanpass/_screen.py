@@ -110,7 +110,7 @@ class _Layout:
                     seen.add(id(p))
                     self.params.append((mod._parameters, name))
             for name, b in mod._buffers.items():
-                if b is not None and b.is_floating_point():
+                if b is not None:
                     self.buffers.append((mod._buffers, name))
 
     def parameters(self, model: torch.nn.Module) -> list[Tensor]:
@@ -589,7 +589,7 @@ class ProgramScreen:
         held, copies = [], {}
         for mod in module.modules():
             for name, b in mod.named_buffers(recurse=False):
-                if b is not None and b.is_floating_point():
+                if b is not None:  # (an integer one too: num_batches_tracked)
                     held.append((mod, name, b))
                     got = copies.get(id(b))
                     if got is None:

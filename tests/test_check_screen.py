@@ -270,3 +270,31 @@ def test_a_forward_no_backward_reaches_is_read_at_the_next_forward():
         safe(x)
     with pytest.raises(nanpass.NonFiniteError, match="torch.sqrt"):
         safe(bad)  # (read at once: the last forward was not reached by a backward)
+
+
+def test_a_run_again_leaves_a_batch_norms_counters_as_one_step_does():
+    """A screened hit runs the forward again into copies of every buffer, integer ones too:
+    ``num_batches_tracked`` and the running statistics are as one plain step left them."""
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return torch.sqrt(self.bn(x) * 0.0 + x - 1.0)  # NaN where x < 1
+
+    torch.manual_seed(0)
+    plain, safe_model = Norm(), Norm()
+    safe = nanpass.harden(safe_model, mode="check")
+    good, bad = torch.full((3, 4), 2.0) + torch.arange(3.0)[:, None], torch.zeros(3, 4)
+    for m in (plain, safe):
+        with torch.no_grad():  # (the first call at every op, then a screened one)
+            m(good)
+            m(good)
+    with pytest.raises(nanpass.NonFiniteError), torch.no_grad():
+        safe(bad)
+    plain(bad)
+    assert int(safe_model.bn.num_batches_tracked) == int(plain.bn.num_batches_tracked) == 3
+    assert torch.equal(safe_model.bn.running_mean, plain.bn.running_mean)
+    assert torch.equal(safe_model.bn.running_var, plain.bn.running_var)
