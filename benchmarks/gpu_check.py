@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -214,7 +215,8 @@ def check_rows() -> dict:
                    "detect_anomaly": anomaly(autocast)}, repeats=5)
         key = f"{str(autocast)[6:]} autocast" if autocast else "float32"
         out[key] = {**{f"{k}_ms": v for k, v in t.items()}, "check_ratio": t["check"] / t["plain"],
-                    "anomaly_ratio": t["detect_anomaly"] / t["plain"]}
+                    "anomaly_ratio": t["detect_anomaly"] / t["plain"],
+                    **_enable_ratio(model, ids, autocast)}
     # compiled check mode: a scalar per new value inside the graph, read once after it
     torch._dynamo.reset()
     ind, chk = torch.compile(model), torch.compile(nanpass.harden(model, mode="check"))
@@ -224,27 +226,74 @@ def check_rows() -> dict:
     return out
 
 
+def _enable_ratio(model, ids, autocast, blocks: int = 3, steps: int = 5) -> dict:
+    """``nanpass.enable("check")`` (what ``nanpass run`` runs) beside the plain step, in blocks
+    of ``steps`` timed steps inside one enable (its first steps check every op), alternated."""
+    step = _step(model, ids, autocast)
+    times = {"plain": [], "enable": []}
+    for _ in range(blocks):
+        for kind in ("plain", "enable"):
+            ctx = nanpass.enable("check") if kind == "enable" else contextlib.nullcontext()
+            with ctx:
+                for _ in range(2):
+                    step()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                torch.cuda.synchronize()
+                times[kind].append((time.perf_counter() - t) / steps * 1e3)
+    plain, enabled = statistics.median(times["plain"]), statistics.median(times["enable"])
+    return {"enable_ms": enabled, "enable_ratio": enabled / plain}
+
+
 def sync_debug() -> dict:
-    """One bfloat16 step of each kind under ``torch.cuda.set_sync_debug_mode("error")``: the
-    first host read of the step raises, and says where."""
+    """Host reads a bfloat16 training step makes, counted under
+    ``torch.cuda.set_sync_debug_mode("warn")`` (each read warns, with where) over three steps
+    after two warm ones (the first checks every op and records the sites; the screen's first
+    step reads its forward at once): harden reads none, check mode's screen one a step
+    (issue 47), ``nanpass.enable`` two (when ``loss.backward()`` starts and before the step)."""
+    import warnings
+
     model = gpt2()
     ids = torch.randint(0, 50257, (8, 512), device=DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
     out = {}
-    for name, m in (("plain", model), ("harden", nanpass.harden(model, watch=None)),
-                    ("harden watch=100", nanpass.harden(model)),
-                    ("check", nanpass.harden(model, mode="check"))):
+
+    kinds = [("plain", model), ("harden", nanpass.harden(model, watch=None)),
+             ("harden watch=100", nanpass.harden(model)),
+             ("check", nanpass.harden(model, mode="check")),
+             ("check every_op", nanpass.harden(model, mode="check", every_op=True))]
+    for name, m in kinds:
         step = _step(m, ids, torch.bfloat16)
-        step()  # warm: the first call of each site records it
+        for _ in range(2):
+            step()
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(3):
-                step()
-            out[name] = "no host read in 3 steps"
-        except RuntimeError as e:
-            out[name] = "host read: " + str(e).strip().splitlines()[0][:200]
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(3):
+                    step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        reads = [w for w in caught if "synchroniz" in str(w.message)]
+        out[name] = f"{len(reads) / 3:g} host reads a step" + (
+            f" (first: {str(reads[0].message).splitlines()[0][:160]})" if reads else "")
+    # nanpass.enable: steps 3-5 of a program (its first calls check every op)
+    step = _step(model, ids, torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught, nanpass.enable("check"):
+        warnings.simplefilter("always")
+        for k in range(5):
+            if k == 2:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+                caught.clear()
+            step()
+            opt.step()
+        torch.cuda.set_sync_debug_mode(0)
+    reads = [w for w in caught if "synchroniz" in str(w.message)]
+    out["nanpass.enable check"] = f"{len(reads) / 3:g} host reads a step"
     return out
 
 
