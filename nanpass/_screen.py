@@ -469,10 +469,20 @@ _MAIN = threading.main_thread().ident
 _ON: list = []  # the program screens on now, the innermost last (it alone screens)
 
 
+_KINDS: dict = {}  # module class -> whether the screen leaves its calls to the mode
+
+
 def _skipped(module) -> bool:
-    """A compiled module (its graph is the backend's to check) or a hardened one (its own
-    check): run as today, under the program's mode."""
-    return type(module).__module__ == "torch._dynamo.eval_frame" or hasattr(module, "_nanpass_sites")
+    """A compiled module (its graph is the backend's to check), a hardened one (its own check),
+    and a distributed wrapper (DDP, FSDP: its forward holds collectives, which a run again on
+    one rank alone would hang; DDP's wrapped module is screened instead, as the outermost
+    call under it): run as today, under the program's mode."""
+    kind = type(module)
+    got = _KINDS.get(kind)
+    if got is None:
+        got = _KINDS[kind] = (kind.__module__ == "torch._dynamo.eval_frame"
+                              or any(k.__module__.startswith("torch.distributed") for k in kind.__mro__))
+    return got or "_nanpass_sites" in module.__dict__ or hasattr(module, "_nanpass_sites")
 
 
 def _call(module, *args, **kwargs):
