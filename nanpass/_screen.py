@@ -27,7 +27,7 @@ stays quiet. ``every_op=True`` keeps the check of every call.
 
 Buffers: a forward that writes a buffer (a batch norm's running statistics) is learned on the
 first screened call (a model's second: its first is checked at every op), by the buffers'
-versions; from then on those buffers are copied before each
+versions and by their values (``batch_norm`` does not move its statistics' version); from then on those buffers are copied before each
 forward so that a run again starts from the values the first run started from. The memory this
 costs is the size of the buffers the forward writes (a batch norm: two vectors of its width);
 a buffer no forward writes costs nothing.
@@ -83,13 +83,15 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
 
 
 class _Layout:
-    """Where a screened model's parameters and floating buffers live, walked again only when a
-    module anywhere registers something (a walk of GPT-2's 164 modules is 0.3 ms, 2.5% of a
+    """Where a screened model's parameters and buffers live, walked again only when a module
+    anywhere registers something (a walk of GPT-2's 164 modules is 0.3 ms, 2.5% of a
     launch-bound step): each step reads them from their registries, so a tensor replaced in
     place of another (``.to()``, a checkpoint load) is the one read. The buffers a forward
-    writes are learned by their versions and copied before each later forward."""
+    writes are copied before each later forward. They are learned by their versions, and, since
+    a kernel may write one without moving its version (``batch_norm``'s running statistics), by
+    their values on the first screened forward of each layout in train and in eval mode."""
 
-    __slots__ = ("epoch", "params", "buffers", "written", "versions")
+    __slots__ = ("epoch", "params", "buffers", "written", "versions", "learned", "probe")
 
     def __init__(self):
         self.epoch = -1
@@ -97,6 +99,8 @@ class _Layout:
         self.buffers: list = []  # (the module's _buffers, name)
         self.written: set = set()  # (id of the registry, name) a forward wrote
         self.versions: list = []
+        self.learned: set = set()  # (epoch, training) whose forward was compared by value
+        self.probe: list = []  # (registry, name, the value before) compared after this forward
 
     def _walk(self, model: torch.nn.Module) -> None:
         if self.epoch == EPOCH[0]:
@@ -118,17 +122,32 @@ class _Layout:
         return [p for reg, name in self.params if (p := reg.get(name)) is not None and p.requires_grad]
 
     def before(self, model: torch.nn.Module) -> dict[int, Tensor]:
+        """The values the forward starts from of the buffers it writes (or may: the ones being
+        learned now), by the buffer's id."""
         self._walk(model)
         self.versions = [version(b) if (b := reg.get(name)) is not None else None for reg, name in self.buffers]
-        if not self.written:
-            return {}
-        return {id(b): b.detach().clone() for reg, name in self.buffers
-                if (id(reg), name) in self.written and (b := reg.get(name)) is not None}
+        kept = {id(b): b.detach().clone() for reg, name in self.buffers
+                if (id(reg), name) in self.written and (b := reg.get(name)) is not None} if self.written else {}
+        key = (self.epoch, model.training)
+        self.probe = []
+        if key not in self.learned:
+            self.learned.add(key)
+            for reg, name in self.buffers:
+                b = reg.get(name)
+                if b is not None and (id(reg), name) not in self.written:
+                    kept[id(b)] = copy_ = b.detach().clone()
+                    self.probe.append((reg, name, copy_))
+        return kept
 
     def after(self) -> None:
         for (reg, name), v in zip(self.buffers, self.versions, strict=False):
             b = reg.get(name)
             if b is not None and (v is None or version(b) != v):
+                self.written.add((id(reg), name))
+        probe, self.probe = self.probe, []
+        for reg, name, before in probe:  # (NaN != NaN: a NaN in one is counted as written)
+            b = reg.get(name)
+            if b is not None and (b.shape != before.shape or not torch.equal(b, before)):
                 self.written.add((id(reg), name))
 
 

@@ -298,3 +298,27 @@ def test_a_run_again_leaves_a_batch_norms_counters_as_one_step_does():
     assert int(safe_model.bn.num_batches_tracked) == int(plain.bn.num_batches_tracked) == 3
     assert torch.equal(safe_model.bn.running_mean, plain.bn.running_mean)
     assert torch.equal(safe_model.bn.running_var, plain.bn.running_var)
+
+
+def test_a_screened_hit_after_a_batch_norm_names_the_op_not_its_statistics():
+    """batch_norm writes its running statistics without moving their version; the screen
+    learns them by value, so the run again starts from the statistics the forward started
+    from (the first run wrote NaN into them) and names the op that made the NaN."""
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(torch.sqrt(x - 1.0))
+
+    safe = nanpass.harden(Norm(), mode="check")
+    good = torch.full((3, 4), 2.0) + torch.arange(3.0)[:, None]
+    for _ in range(3):
+        safe(good).sum().backward()
+    bad = good.clone()
+    bad[0, 0] = 0.0
+    with pytest.raises(nanpass.NonFiniteError) as e:
+        safe(bad).sum().backward()
+    assert str(e.value).splitlines()[0].startswith("nanpass: NaN created by torch.sqrt"), str(e.value)

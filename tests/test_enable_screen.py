@@ -218,3 +218,33 @@ def test_nanpass_run_every_op_names_what_the_screen_names(tmp_path, capsys):
         found[bool(flags)] = [line for line in err.splitlines() if line.startswith(("nanpass: ", "  from"))]
     assert found[False] and found[False][:2] == found[True][:2], found
     assert "log_zero.py:29" in found[False][0] and "torch.log" in found[False][1]
+
+
+def test_a_batch_norms_statistics_are_where_the_call_started_in_its_run_again():
+    """batch_norm writes its running statistics without moving their version: the screen
+    learns the buffers a forward writes by value too, so the run again starts from the
+    statistics the call started from and names the op, not a NaN it finds in the buffer."""
+
+    class Features(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.BatchNorm1d(8)
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.lin(self.norm(torch.sqrt(x)))
+
+    torch.manual_seed(0)
+    m = Features()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with pytest.raises(nanpass.NonFiniteError) as e:
+        with nanpass.enable("check"):
+            for step in range(5):
+                x = torch.full((16, 8), 4.0) + torch.arange(16.0)[:, None]
+                if step == 3:
+                    x[0, 0] = -1.0
+                loss = m(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert str(e.value).splitlines()[0].startswith("nanpass: NaN created by torch.sqrt"), str(e.value)

@@ -25,7 +25,7 @@ SCRIPTS = ROOT / "tests" / "nan_scripts"
 NAMES = sorted(p.name for p in SCRIPTS.glob("*.py"))
 MARKER = re.compile(r"#\s*nanpass-expect:\s*(\w+)\s*$")
 NEEDS = re.compile(r"^(?:from|import) (transformers|lightning)\b", re.M)  # optional test extras
-DDP = "ddp_two_ranks.py"  # run by torchrun on two ranks
+DDP = ("ddp_two_ranks.py", "ddp_inner_nan.py")  # run by torchrun on two ranks
 # the child imports the nanpass this test imports (a worktree, a clean clone, an install)
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
     p for p in (str(pathlib.Path(nanpass.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p)}
@@ -53,22 +53,22 @@ def needs(name: str) -> list[str]:
 def skip_unless_runnable(name: str) -> None:
     for package in needs(name):
         pytest.importorskip(package, exc_type=ImportError)
-    if name == DDP and not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+    if name in DDP and not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
 
 
 def run(name: str, mode: str, cwd: pathlib.Path):
     """Run the script under `nanpass run --mode MODE`, saving its weights to cwd/out.pt."""
     nanpass = ["-m", "nanpass", "run", "--mode", mode, str(SCRIPTS / name), str(cwd / "out.pt")]
-    if name == DDP:
+    if name in DDP:
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         cmd = [sys.executable, *launcher, *nanpass]
     else:
         cmd = [sys.executable, *nanpass]
     res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
-                         timeout=180 if name == DDP else 120, env=ENV)
+                         timeout=180 if name in DDP else 120, env=ENV)
     for _ in range(2):
-        if name != DDP or _TEARDOWN not in res.stderr:
+        if name not in DDP or _TEARDOWN not in res.stderr:
             break
         # gloo's teardown at interpreter exit, after the script's last line, aborted one rank
         # (SIGABRT) in 1-2 of 16 runs under load when the script ran through a wrapper (runpy,
