@@ -387,7 +387,9 @@ MEMORY_MODELS = {
         torch.randint(0, 50257, (4, 64)))),
     "bn-cnn": lambda: (bn_net(), {"x": torch.randn(32, 3, 32, 32), "labels": torch.randint(0, 10, (32,))}),
 }
-MEMORY_CONFIGS = ("plain", "check", "every_op")
+# plain; harden(m, mode="check") (the screen); the same with every_op=True; and
+# nanpass.enable(mode="check") on from before the model is built, as `nanpass run` has it
+MEMORY_CONFIGS = ("plain", "check", "every_op", "enable")
 
 
 def live_bytes_peaks(events, ranges: list[str]) -> list[tuple[int, int]]:
@@ -455,14 +457,17 @@ def peak_memory_child(name: str, config: str, measure: str, steps: int = 3, warm
 
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         prof.__enter__()
+    on = nanpass.enable(mode="check") if config == "enable" else None  # (left on: the process ends)
     model, batch = MEMORY_MODELS[name]()
     model.to(device)
     batch = {k: v.to(device) for k, v in batch.items()}
-    run = model if config == "plain" else nanpass.harden(model, mode="check", every_op=config == "every_op")
+    hardened = config in ("check", "every_op")
+    run = nanpass.harden(model, mode="check", every_op=config == "every_op") if hardened else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(warmup):
         memory_step(run, batch, opt)()
-    out = {"model": name, "config": config, "measure": measure, "device": device, "steps": steps}
+    out = {"model": name, "config": config, "measure": measure, "device": device, "steps": steps,
+           "enabled": on is not None}
     if measure == "tensors":
         spans = {}  # (step, phase) -> (bytes alive at its start, most alive inside it)
         if cuda:
