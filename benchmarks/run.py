@@ -2,6 +2,8 @@
 process, interleaved, after warm-up, median of repeats. Prints a table and writes JSON.
 
     python benchmarks/run.py [--quick] [--json out.json] [--plots DIR]
+    python benchmarks/run.py --run-script-only      # `nanpass run` of a training script vs python
+    python benchmarks/run.py --peak-memory-only     # peak memory of a train step, check mode vs plain
 
 Plots go to benchmarks/results/ (not tracked); ``--plots docs/img`` refreshes the docs' figures.
 """
@@ -9,10 +11,14 @@ Plots go to benchmarks/results/ (not tracked); ``--plots docs/img`` refreshes th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -20,11 +26,14 @@ import torch.nn as nn
 
 import nanpass
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN_SCRIPT = os.path.join(HERE, "scripts", "launch_bound_train.py")
 
-def gpt2(n_layer: int, n_embd: int = 128):
+
+def gpt2(n_layer: int, n_embd: int = 128, vocab_size: int = 1024):
     import transformers
 
-    cfg = transformers.GPT2Config(n_layer=n_layer, n_head=4, n_embd=n_embd, vocab_size=1024,
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_head=4, n_embd=n_embd, vocab_size=vocab_size,
                                   n_positions=128, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg)
@@ -272,6 +281,286 @@ def print_launch_bound(x: dict) -> None:
           f"{x['detect_anomaly_ratio']:.3f}")
 
 
+def child_env(one_thread: bool) -> dict:
+    """The environment of a benchmark's subprocess: this nanpass first on the path (the checkout
+    this file belongs to, not an installed copy), and one thread where the row asks for it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(nanpass.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    if one_thread:
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def _child(cmd: list[str], env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                         cwd=os.path.dirname(HERE))
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stderr[-3000:]}")
+    return res
+
+
+def run_script_commands(env: dict) -> dict[str, list[str]]:
+    """The launch-bound training script as python runs it, as `nanpass run` runs it (check mode,
+    the default) and, where this nanpass's CLI has the option, as `nanpass run --every-op`."""
+    py = sys.executable
+    cmds = {"python": [py, TRAIN_SCRIPT], "nanpass_run": [py, "-m", "nanpass", "run", TRAIN_SCRIPT]}
+    usage = subprocess.run([py, "-m", "nanpass", "run", "--help"], capture_output=True, text=True, env=env,
+                           cwd=os.path.dirname(HERE)).stdout
+    if "--every-op" in usage:
+        cmds["nanpass_run_every_op"] = [py, "-m", "nanpass", "run", "--every-op", TRAIN_SCRIPT]
+    return cmds
+
+
+def bench_run_script(rounds: int, steps: int = 100, warmup: int = 10) -> dict:
+    """Issue 47: `nanpass run` of an unmodified training script (benchmarks/scripts/
+    launch_bound_train.py: the launch-bound row's GPT-2, AdamW, one thread) against `python`
+    running it. Each run is its own process; the processes are interleaved (python, nanpass
+    run, [--every-op], python, ...) after one untimed round that warms the disk caches. The
+    script times its own steps after ``warmup`` untimed ones, so start-up and imports do not
+    count; a process's time is the median of its ``steps`` steps, and each ratio the median over
+    rounds of the two processes' times in the same round (as ``Timings.ratio``)."""
+    env = child_env(one_thread=True)
+    cmds = run_script_commands(env)
+    extra = ["--steps", str(steps), "--warmup", str(warmup)]
+
+    def once(cmd):
+        t = time.perf_counter()
+        res = _child(cmd + extra, env)
+        wall = time.perf_counter() - t
+        line = next(x for x in reversed(res.stdout.splitlines()) if x.startswith("step_ms "))
+        return float(line.split()[1]) / 1e3, wall
+
+    for cmd in cmds.values():
+        once(cmd)
+    times, walls = {k: [] for k in cmds}, {k: [] for k in cmds}
+    for _ in range(rounds):
+        for k, cmd in cmds.items():
+            step, wall = once(cmd)
+            times[k].append(step)
+            walls[k].append(wall)
+    t = Timings(times)
+    return {"rounds": rounds, "steps": steps, "warmup": warmup, "every_op_flag": "nanpass_run_every_op" in cmds,
+            **{f"{k}_ms": t[k] * 1e3 for k in cmds},
+            **{f"{k}_ratio": t.ratio(k, "python") for k in cmds if k != "python"},
+            "per_round_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
+            "process_wall_s": {k: statistics.median(v) for k, v in walls.items()}}
+
+
+def print_run_script(x: dict) -> None:
+    every = (f"; --every-op {x['nanpass_run_every_op_ratio']:.3f}" if x["every_op_flag"]
+             else "; --every-op: not in this CLI")
+    wall, per = x["process_wall_s"], x["per_round_ms"]
+    rounds = [a / b for a, b in zip(per["nanpass_run"], per["python"], strict=True)]
+    print(f"{'gpt2-12L-32w 1x8 script':26} {'nanpass run':16} {x['python_ms']:10.2f} {x['nanpass_run_ms']:11.2f} "
+          f"{x['nanpass_run_ratio']:7.3f}  per step vs python ({min(rounds):.2f}-{max(rounds):.2f} over "
+          f"{x['rounds']} rounds of {x['steps']} steps){every}; whole process {wall['python']:.1f} s vs "
+          f"{wall['nanpass_run']:.1f} s")
+
+
+class BNNet(nn.Module):
+    """A small convolutional net with batch norm: its forward writes buffers (the running
+    statistics), which check mode's screen copies before each forward for a run again."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                 nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+                                 nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.net(x), labels)
+
+
+def bn_net():
+    torch.manual_seed(0)
+    return BNNet()
+
+
+# models of the peak-memory row: GPT-2 12L as the GPT-2 rows build it (no batch norm; its
+# forward writes no buffer), the same with GPT-2's own vocabulary (50257: the float32 logits,
+# an output of the forward, are then the step's largest tensor, as on the GPU rows), and a
+# batch-norm net (its forward writes six buffers)
+MEMORY_MODELS = {
+    "gpt2-12L": lambda: MODELS["gpt2-12L"](),
+    "gpt2-12L-vocab50257": lambda: (gpt2(12, vocab_size=50257), (lambda ids: {"input_ids": ids, "labels": ids})(
+        torch.randint(0, 50257, (4, 64)))),
+    "bn-cnn": lambda: (bn_net(), {"x": torch.randn(32, 3, 32, 32), "labels": torch.randint(0, 10, (32,))}),
+}
+# plain; harden(m, mode="check") (the screen); the same with every_op=True; and
+# nanpass.enable(mode="check") on from before the model is built, as `nanpass run` has it
+MEMORY_CONFIGS = ("plain", "check", "every_op", "enable")
+
+
+def live_bytes_peaks(events, ranges: list[str]) -> list[tuple[int, int]]:
+    """From a CPU profile with ``profile_memory=True``: for each named range (a
+    ``record_function``), (live bytes when it began, most live bytes at any moment inside it).
+    Live bytes: the running sum of every allocation (+) and free (-) the profiler saw, in time
+    order. Started before the model was built, that sum is every tensor byte alive."""
+    cpu = torch.autograd.DeviceType.CPU
+    mem = sorted((e for e in events if e.name() == "[memory]" and e.device_type() == cpu),
+                 key=lambda e: e.start_ns())
+    spans = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name() in ranges}
+    out = []
+    for name in ranges:
+        begin, end = spans[name]
+        live, start, peak = 0, None, None
+        for e in mem:
+            if e.start_ns() > end:
+                break
+            if e.start_ns() >= begin and start is None:
+                start = peak = live
+            live += e.nbytes()
+            if start is not None:
+                peak = max(peak, live)
+        if start is None:  # no allocation inside the range
+            start = peak = live
+        out.append((start, peak))
+    return out
+
+
+PHASES = ("zero_grad", "forward", "backward", "optimizer")
+
+
+def memory_step(model, batch, opt, phase=lambda name: contextlib.nullcontext()):
+    """A train step in ``PHASES``, each inside ``phase(name)`` (where the peak is measured)."""
+    def step():
+        with phase("zero_grad"):
+            opt.zero_grad(set_to_none=True)
+        with phase("forward"):  # (and the loss)
+            out = model(**batch) if isinstance(batch, dict) else model(batch)
+            loss = out.loss if hasattr(out, "loss") else out if out.dim() == 0 else out.float().pow(2).mean()
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            opt.step()
+
+    return step
+
+
+def peak_memory_child(name: str, config: str, measure: str, steps: int = 3, warmup: int = 3) -> dict:
+    """In a fresh process: the peak memory of a train step (zero_grad, forward and loss,
+    backward, AdamW step) of ``MEMORY_MODELS[name]`` as ``config`` runs it, after ``warmup``
+    steps (check mode's first step is checked at every op, its second learns which buffers the
+    forward writes), the largest of ``steps`` steps, and the phase where it is reached.
+
+    ``measure``: "tensors": on CUDA ``torch.cuda.max_memory_allocated`` after a reset at each
+    phase's start; on the CPU, the largest number of tensor bytes alive at once during the step,
+    from the profiler's record of every allocation and free (``profile_memory=True``), started
+    before the model is built. "rss" (CPU): the process's peak resident size (VmHWM) over the
+    steps, after resetting it to the resident size at their start (``/proc/self/clear_refs``)."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    prof = None
+    if measure == "tensors" and not cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        prof.__enter__()
+    on = nanpass.enable(mode="check") if config == "enable" else None  # (left on: the process ends)
+    model, batch = MEMORY_MODELS[name]()
+    model.to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    hardened = config in ("check", "every_op")
+    run = nanpass.harden(model, mode="check", every_op=config == "every_op") if hardened else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(warmup):
+        memory_step(run, batch, opt)()
+    out = {"model": name, "config": config, "measure": measure, "device": device, "steps": steps,
+           "enabled": on is not None}
+    if measure == "tensors":
+        spans = {}  # (step, phase) -> (bytes alive at its start, most alive inside it)
+        if cuda:
+            @contextlib.contextmanager
+            def phase(what, k):
+                torch.cuda.synchronize()
+                begin = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                yield
+                torch.cuda.synchronize()
+                spans[k, what] = (begin, torch.cuda.max_memory_allocated())
+        else:
+            def phase(what, k):
+                return torch.profiler.record_function(f"nanpass_peak_{k}_{what}")
+        for k in range(steps):
+            memory_step(run, batch, opt, lambda what, k=k: phase(what, k))()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            keys = [(k, what) for k in range(steps) for what in PHASES]
+            got = live_bytes_peaks(list(prof.profiler.kineto_results.events()),
+                                   [f"nanpass_peak_{k}_{what}" for k, what in keys])
+            spans = dict(zip(keys, got, strict=True))
+        per_step = [max(spans[k, what][1] for what in PHASES) for k in range(steps)]
+        k = max(range(steps), key=per_step.__getitem__)
+        where = max(PHASES, key=lambda what: spans[k, what][1])
+        return {**out, "peak_bytes": per_step[k], "start_bytes": spans[k, "zero_grad"][0], "peak_phase": where,
+                "per_step_peak": per_step, "phase_peak": {what: spans[k, what][1] for what in PHASES}}
+    step = memory_step(run, batch, opt)
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith(field + ":"))
+
+    rss = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # 5: the high-water mark = the resident size now
+        f.write("5")
+    for _ in range(steps):
+        step()
+    return {**out, "peak_bytes": status("VmHWM"), "start_bytes": rss}
+
+
+def bench_peak_memory(names=tuple(MEMORY_MODELS), configs=MEMORY_CONFIGS) -> dict:
+    """Issue 47: peak memory of a train step, check mode's screen against the plain model, each
+    (model, configuration, measure) in its own process (a process's allocator and resident size
+    keep what an earlier configuration left). On CUDA the allocator's peak; on the CPU the
+    profiler's count of live tensor bytes, and the peak resident size as a cross-check (with
+    glibc's mmap threshold fixed, so that a freed large tensor leaves the resident set)."""
+    cuda = torch.cuda.is_available()
+    env = child_env(one_thread=False)
+    rss_env = {**env, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+    out = {}
+    for name in names:
+        row = {}
+        for measure in ("tensors",) if cuda else ("tensors", "rss"):
+            for config in configs:
+                call = f"run.peak_memory_child({name!r}, {config!r}, {measure!r})"
+                code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import run; "
+                        f"print('peak_json', json.dumps({call}))")
+                res = _child([sys.executable, "-c", code], rss_env if measure == "rss" else env)
+                line = next(x for x in reversed(res.stdout.splitlines()) if x.startswith("peak_json "))
+                row[f"{measure}:{config}"] = json.loads(line[len("peak_json "):])
+        for measure in ("tensors", "rss"):
+            plain = row.get(f"{measure}:plain")
+            for config in configs:
+                got = row.get(f"{measure}:{config}")
+                if plain and got and config != "plain":
+                    got["ratio"] = got["peak_bytes"] / plain["peak_bytes"]
+                    got["extra_bytes"] = got["peak_bytes"] - plain["peak_bytes"]
+        out[name] = row
+    return out
+
+
+def print_peak_memory(x: dict) -> None:
+    for name, row in x.items():
+        for measure in ("tensors", "rss"):
+            plain = row.get(f"{measure}:plain")
+            if not plain:
+                continue
+            others = {c: row[f"{measure}:{c}"] for c in MEMORY_CONFIGS if c != "plain" and f"{measure}:{c}" in row}
+            if measure == "rss":
+                what = "peak RSS (VmHWM)"
+            else:
+                what = "cuda max_allocated" if plain["device"] == "cuda" else "live tensor bytes"
+                what += f" (plain's peak in its {plain['peak_phase']})"
+            rest = "; ".join(f"{c} {r['ratio']:.4f} ({r['extra_bytes'] / 2**20:+.2f} MiB)" for c, r in others.items())
+            print(f"{name:26} {'peak memory':16} {plain['peak_bytes'] / 2**20:9.2f}M {'':11} {'':7}  {what}: {rest}")
+            if "phase_peak" in plain:  # where each configuration's memory rises
+                over = "; ".join(f"{c} " + ", ".join(
+                    f"{ph} {(r['phase_peak'][ph] - plain['phase_peak'][ph]) / 2**20:+.2f}"
+                    for ph in ("forward", "backward", "optimizer")) for c, r in others.items())
+                print(f"{'':26} {'':16} {'':22} {'':7}  each phase's peak over plain's, MiB: {over}")
+
+
 def bench_compiled(model, batch, repeats, shapes=False):
     torch._dynamo.reset()
     t0 = time.perf_counter()
@@ -422,14 +711,25 @@ def main():
     ap.add_argument("--launch-bound-only", action="store_true", help="only the launch-bound row")
     ap.add_argument("--check-only", action="store_true",
                     help="only eager check mode's rows (issue 47: the screen, every_op=True)")
+    ap.add_argument("--run-script-only", action="store_true",
+                    help="only the `nanpass run` row (issue 47: benchmarks/scripts/launch_bound_train.py "
+                    "as python, nanpass run and nanpass run --every-op run it, interleaved processes)")
+    ap.add_argument("--peak-memory-only", action="store_true",
+                    help="only the peak-memory row (issue 47: a train step, check mode vs plain, each in "
+                    "its own process)")
     args = ap.parse_args()
     repeats = 5 if args.quick else 15
+    script_rounds = 3 if args.quick else 7
     if args.spike_only:
         return print_spike(bench_spike(repeats))
     if args.check_only:
         return print_check_screen(bench_check_screen(3 * repeats))
     if args.launch_bound_only:
         return print_launch_bound(bench_launch_bound(3 * repeats))
+    if args.run_script_only:
+        return print_run_script(bench_run_script(script_rounds))
+    if args.peak_memory_only:
+        return print_peak_memory(bench_peak_memory())
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {"machine": f"{platform.machine()} {platform.processor() or ''} "
                           f"{torch.get_num_threads()} threads, torch {torch.__version__}".strip()}
@@ -439,6 +739,8 @@ def main():
     results["autocast_bf16"] = {name: bench_autocast(*models[name], repeats) for name in ("mlp", "gpt2-12L")}
     results["launch_bound"] = bench_launch_bound(3 * repeats)
     results["check_screen"] = bench_check_screen(3 * repeats)
+    results["run_script"] = bench_run_script(script_rounds)
+    results["peak_memory"] = bench_peak_memory()
     if not args.quick:
         results["compiled"] = {name: bench_compiled(m, b, 3 * repeats, shapes=name.startswith("transformer"))
                                for name, (m, b) in models.items()}
@@ -464,6 +766,8 @@ def main():
               f"included: {x['enable_check_ratio']:.3f}")
     print_launch_bound(results["launch_bound"])
     print_check_screen(results["check_screen"])
+    print_run_script(results["run_script"])
+    print_peak_memory(results["peak_memory"])
     for name, x in results.get("compiled", {}).items():
         extra = f", with shape_checks {x['shape_checks_ratio']:.3f}" if "shape_checks_ratio" in x else ""
         print(f"{name:26} {'compiled step':16} {x['inductor_ms']:10.2f} {x['nanpass_ms']:11.2f} {x['ratio']:7.3f}"
@@ -481,7 +785,6 @@ def main():
     for name, x in results.get("cold_compile", {}).items():
         ratio = f"{x['ratio']:.2f}" if "ratio" in x else "n/a"
         print(f"cold compile {name}: inductor {x['inductor']} s, nanpass {x['nanpass']} s, ratio {ratio}")
-    print("peak memory: needs a CUDA device (torch.cuda.max_memory_allocated); not measured on CPU")
     results["spike_guard"] = bench_spike(repeats)
     print_spike(results["spike_guard"])
     for path in plots(results, args.plots):
