@@ -5,6 +5,7 @@ keeps the check of every call."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -322,3 +323,24 @@ def test_a_screened_hit_after_a_batch_norm_names_the_op_not_its_statistics():
     with pytest.raises(nanpass.NonFiniteError) as e:
         safe(bad).sum().backward()
     assert str(e.value).splitlines()[0].startswith("nanpass: NaN created by torch.sqrt"), str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_screens_scalar_copies_nothing_of_its_tensor(dtype):
+    """A screened output's scalar reads it once and allocates a few scalars, not a copy in a
+    wider float (a GPT-2 head's float32 logits were copied to float64 at the forward's peak);
+    finite exactly when every element is, NaN exactly when one is."""
+    from nanpass._deferred import INF, scalar, state_of
+
+    t = torch.ones(1 << 16, dtype=dtype)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        s = scalar(t)
+    allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert allocated < t.numel() * t.element_size() // 8, allocated
+    assert s.dtype == torch.float64 and state_of(s.item()) == 0
+    t[7] = float("inf")
+    t[9] = -float("inf")
+    assert state_of(scalar(t).item()) == INF
+    t[3] = float("nan")
+    assert math.isnan(scalar(t).item())
+    assert scalar(torch.ones(0, dtype=dtype)).item() == 0.0
