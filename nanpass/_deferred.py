@@ -31,23 +31,27 @@ FINITE, INF, NAN = 0, 1, 2
 
 
 
+_SMALL = 1 << 16  # elements: a scalar of a tensor this small is one reduction in float64
+
+
 def scalar(t: Tensor) -> Tensor:
     """One float64 scalar (float32 on MPS), finite exactly when every element of ``t`` is, NaN
     exactly when one is NaN: the magnitudes of its least and its largest element, added in
     float64, which no finite tensor can overflow (two infinities of either sign add to an
     infinity, never a NaN). ``aminmax`` reads the tensor once and copies none of it: a sum of
-    magnitudes in a wider float (this used to be one) first copied the whole tensor to that
-    float, twice a float32 output's size at the forward's peak (a GPT-2 head's logits)."""
+    magnitudes in float64 first copies the whole tensor to float64, twice a float32 output's
+    size at the forward's peak (a GPT-2 head's logits), so only a small tensor gets one (the
+    sum of all its magnitudes, which cannot overflow float64 either: one op, not three)."""
     if t.requires_grad:
         t = t.detach()
     if t.is_mps:  # (no float64 there: the largest magnitude, in the tensor's own float)
         return torch.linalg.vector_norm(t, float("inf"))
     if torch.compiler.is_compiling():  # (a graph's reduction copies nothing: one op, no branch)
         return torch.linalg.vector_norm(t, float("inf")).to(torch.float64)
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=t.device)
+    if t.numel() <= _SMALL:  # (one op: the copy is small, and each op is a launch)
+        return torch.linalg.vector_norm(t, 1, dtype=torch.float64)
     low, high = torch.aminmax(t)
-    return low.abs().to(torch.float64) + high.abs().to(torch.float64)
+    return torch.linalg.vector_norm(torch.stack((low, high)), 1, dtype=torch.float64)
 
 
 def state_of(v: float) -> int:

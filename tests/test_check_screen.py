@@ -332,7 +332,7 @@ def test_the_screens_scalar_copies_nothing_of_its_tensor(dtype):
     finite exactly when every element is, NaN exactly when one is."""
     from nanpass._deferred import INF, scalar, state_of
 
-    t = torch.ones(1 << 16, dtype=dtype)
+    t = torch.ones(1 << 18, dtype=dtype)  # (above _deferred._SMALL: a small one gets a float64 sum)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         s = scalar(t)
     allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
