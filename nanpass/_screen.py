@@ -706,4 +706,6 @@ class _Judged:
         self.scalars = got[0]
 
     def judge(self, st, forward, absorb, by_slot) -> None:
+        if self.backward.safe._nanpass_sites.checker.found:
+            return  # (its forward's finding, read in the same copy, explains it)
         self.backward._judge(st, *self.got[1:], absorb=absorb)

@@ -682,14 +682,17 @@ class Watch:
         step = self.pending if self.program and COLLECT.get() is None else None
         if step is None:
             self.escaped(roots, "the loss")
-        else:  # the forward's one read: before the backward frees what it saved, which the
-            # findings describe (the backward's verdicts are read when it ends)
+        else:  # the forward's read: before the backward frees what it saved, which the
+            # findings of the code between module calls describe (the backward's verdicts are
+            # read when it ends); where no such call ran (the loss made inside the model), only
+            # screened module calls, which a run again describes: read with the backward's
             for loss in roots:
                 if readable(loss):
                     k = step.get(loss)
                     step.reasons.append(k if k is not None else step.add(loss))
                     step.escapes.append((loss, "the loss"))
-            self.flush()
+            if step.records or not self.screens:
+                self.flush()
         try:
             out = func(*args, **kwargs)
         finally:

@@ -248,3 +248,48 @@ def test_a_batch_norms_statistics_are_where_the_call_started_in_its_run_again():
                 loss.backward()
                 opt.step()
     assert str(e.value).splitlines()[0].startswith("nanpass: NaN created by torch.sqrt"), str(e.value)
+
+
+class _WithLoss(nn.Module):
+    """A model that makes its own loss (as a Hugging Face model given labels does)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        return (self.lin(torch.sqrt(x)) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("every_op", [False, True])
+def test_a_model_that_makes_its_loss_is_read_once_a_step_and_named_the_same(every_op):
+    """No call between module calls: the forward's screen is read with the backward's, before
+    the optimizer step (which it stops before the step is taken), naming the op and line as the
+    check of every call does at the op."""
+    net = _WithLoss()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    y = torch.zeros(3, 2)
+    where = None
+    try:
+        with nanpass.enable("check", **({"every_op": True} if every_op else {})):
+            for step in range(5):
+                x = torch.ones(3, 4)
+                if step == 3:
+                    x[1, 2] = -1.0
+                where = "forward"
+                loss = net(x, y)
+                where = "backward"
+                loss.backward()
+                where = "step"
+                before = net.lin.weight.detach().clone()
+                opt.step()
+                opt.zero_grad()
+    except nanpass.NonFiniteError as e:
+        assert str(e).splitlines()[0].startswith("nanpass: NaN created by torch.sqrt in <root> (_WithLoss)"), str(e)
+        assert "test_enable_screen.py" in str(e).splitlines()[0]
+        assert where == ("step" if not every_op else "backward"), where  # (every_op: read when backward starts)
+        if where == "step":
+            assert torch.equal(net.lin.weight, before)  # stopped before the step was taken
+        return
+    raise AssertionError("no finding")

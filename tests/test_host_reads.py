@@ -736,3 +736,28 @@ def test_the_screen_reads_the_host_once_a_training_step(name, mode):
     plain = _reads_in_a_loop(model, batch)
     checked = _reads_in_a_loop(nanpass.harden(model, mode=mode, watch=None), batch)
     assert checked <= plain + 1, f"{name}, mode={mode}: {checked} host reads a step, plain {plain}"
+
+
+@pytest.mark.parametrize("mode", ["check", "warn"])
+def test_enable_reads_once_a_step_where_the_model_makes_its_loss(mode):
+    """A Hugging Face model given its labels makes its loss inside the outermost module call:
+    no call runs between module calls whose findings would need the values the backward frees,
+    so the forward's screen is read with the backward's, before the optimizer step."""
+    model, batch = _model("gpt2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step():
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with _Reads() as r:
+        step()
+    plain = r.n
+    with nanpass.enable(mode):
+        for _ in range(2):
+            step()
+        with _Reads() as r:
+            step()
+    assert r.n <= plain + 1, f"enable({mode!r}): {r.n} host reads a step, plain {plain}"
