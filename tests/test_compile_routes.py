@@ -61,6 +61,7 @@ def _graphs(which: str) -> str:
     return res.stdout
 
 
+@pytest.mark.slow  # (two processes, 12 compiles: 9 s of the fast tier)
 def test_importing_nanpass_leaves_torchs_own_modules_compiling_to_the_same_graphs():
     without, with_ = _graphs("without"), _graphs("with")
     headers = [line for line in without.splitlines() if line.startswith("==")]
