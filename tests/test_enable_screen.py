@@ -159,6 +159,7 @@ def test_a_mode_entered_after_an_optimizer_step_is_left_in_place():
     program's mode is back at the next module call outside it."""
     net = nn.Linear(4, 4)
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    plain_call = nn.Module.__call__
     with nanpass.enable("check") as on:
         for _ in range(2):
             net(torch.ones(2, 4)).sum().backward()
@@ -171,7 +172,9 @@ def test_a_mode_entered_after_an_optimizer_step_is_left_in_place():
         assert list(function_mode_stack()) == before
         net(torch.ones(2, 4))
         assert function_mode_stack()[-1] is on._mode
+        assert nn.Module.__call__ is not plain_call  # (the screen's wrapper, while enabled)
     assert on._mode not in function_mode_stack()
+    assert nn.Module.__call__ is plain_call  # torch's own again once enable ends
 
 
 def test_a_program_with_no_module_stays_watched_after_its_steps():
