@@ -195,29 +195,14 @@ class Hardened(torch.nn.Module):
         its backward, checked at each node too."""
         watch, model = self._nanpass_sites.checker, self._nanpass_model
         after = _rng_state()
-        # the second run writes into copies of the buffers (a batch norm's running statistics):
-        # the first run's graph saved the buffers themselves, at their version
-        held, copies = [], {}
-        for mod in model.modules():
-            for name, b in mod.named_buffers(recurse=False):
-                if b is not None:  # (an integer one too: a batch norm's num_batches_tracked)
-                    held.append((mod, name, b))
-                    copy_ = copies.get(id(b))  # (a buffer two modules share: one copy)
-                    if copy_ is None:
-                        # (the screen kept the value the forward started from: ``kept``)
-                        before = kept.get(id(b)) if kept else None
-                        copy_ = copies[id(b)] = (b, before if before is not None else b.detach().clone())
-                    setattr(mod, name, copy_[1])
         _set_rng_state(rng)
-        try:
-            with watch.at_each_op():
+        try:  # (its buffer writes go to copies: ``_screen.buffers_from``)
+            with _screen.buffers_from(model, kept), watch.at_each_op():
                 out = self._forward_mode(*args, **kwargs)
                 if backward is not None:
                     backward(out)
         finally:
             _set_rng_state(after)
-            for mod, name, b in held:
-                setattr(mod, name, b)
         if not watch.found and verdict == "definite" and saw is not None:
             _screen.not_reproduced(self, "forward", saw)
         elif not watch.found and verdict == "definite":

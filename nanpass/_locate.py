@@ -16,7 +16,6 @@ does not reproduce is said, with what the screen saw.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from dataclasses import dataclass
@@ -205,32 +204,10 @@ def _saw(found: list[tuple[str, int]]) -> str:
         f"{'NaN' if s == NAN else 'an infinity'} in {what}" for what, s in found)
 
 
-def _buffers(model: torch.nn.Module) -> list[tuple[dict, str, Tensor]]:
-    """A copy of each buffer (a batch norm's running statistics and its count), for a run
-    again that starts where the step started: (its registry, its name, the copy)."""
-    kept, copies = [], {}
-    for mod in model.modules():
-        for name, b in mod._buffers.items():
-            if b is not None:
-                if id(b) not in copies:  # (a buffer two modules share: one copy)
-                    copies[id(b)] = b.detach().clone()
-                kept.append((mod._buffers, name, copies[id(b)]))
-    return kept
-
-
-@contextlib.contextmanager
-def _from(kept: list[tuple[dict, str, Tensor]]):
-    """The buffers as the step found them, for the run again (what it writes goes to copies);
-    after it, as the step left them."""
-    held = [(reg, name, reg.get(name)) for reg, name, _ in kept]
-    again: dict = {}
-    for reg, name, c in kept:
-        reg[name] = again.setdefault(id(c), c.clone())
-    try:
-        yield
-    finally:
-        for reg, name, b in held:
-            reg[name] = b
+def _buffers(model: torch.nn.Module) -> dict[int, Tensor]:
+    """A copy of each buffer (a batch norm's running statistics and its count) by the buffer's
+    id, for a run again that starts where the step started (``_screen.buffers_from``)."""
+    return {id(b): b.detach().clone() for b in model.buffers()}
 
 
 def _leaves_of(model, inputs, kwargs, loss: Tensor):
@@ -366,8 +343,7 @@ def locate(model: torch.nn.Module, *inputs, loss_fn=None, progress: bool | None 
     again = _Screen(plain, name, inputs, kwargs)
 
     def run(step):
-        with _from(kept):
-            checked._check_again(inputs, kwargs, rng, None, step)
+        checked._check_again(inputs, kwargs, rng, None, step, kept=kept)
 
     def backward_once(loss):
         backward_again(loss, {0: torch.ones_like(loss)}, _leaves_of(plain, inputs, kwargs, loss))

@@ -36,6 +36,7 @@ a buffer no forward writes costs nothing.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import threading
 import weakref
@@ -149,6 +150,29 @@ class _Layout:
             b = reg.get(name)
             if b is not None and (b.shape != before.shape or not torch.equal(b, before)):
                 self.written.add((id(reg), name))
+
+
+@contextlib.contextmanager
+def buffers_from(model: torch.nn.Module, kept: dict | None):
+    """Every buffer of ``model`` swapped for a copy while a run again runs: a copy of the value
+    the step started from where ``kept`` holds it (by the buffer's id), else of its value now;
+    put back after, so the buffers are as the first run left them (its graph saved them at
+    their version). Integer ones too: a batch norm's ``num_batches_tracked``."""
+    held, copies = [], {}
+    for mod in model.modules():
+        for name, b in mod.named_buffers(recurse=False):
+            if b is not None:
+                held.append((mod, name, b))
+                c = copies.get(id(b))  # (a buffer two modules share: one copy)
+                if c is None:
+                    before = kept.get(id(b)) if kept else None
+                    c = copies[id(b)] = (before if before is not None else b).detach().clone()
+                setattr(mod, name, c)
+    try:
+        yield
+    finally:
+        for mod, name, b in held:
+            setattr(mod, name, b)
 
 
 def layout_of(safe) -> _Layout:
@@ -501,7 +525,7 @@ def _skipped(module) -> bool:
     if got is None:
         got = _KINDS[kind] = (kind.__module__ == "torch._dynamo.eval_frame"
                               or any(k.__module__.startswith("torch.distributed") for k in kind.__mro__))
-    return got or "_nanpass_sites" in module.__dict__ or hasattr(module, "_nanpass_sites")
+    return got or hasattr(module, "_nanpass_sites")
 
 
 def _call(module, *args, **kwargs):
@@ -615,38 +639,27 @@ class ProgramScreen:
             return
         watch = self.watch
         after = rng_state()
-        held, copies = [], {}
-        for mod in module.modules():
-            for name, b in mod.named_buffers(recurse=False):
-                if b is not None:  # (an integer one too: num_batches_tracked)
-                    held.append((mod, name, b))
-                    got = copies.get(id(b))
-                    if got is None:
-                        before = kept.get(id(b)) if kept else None
-                        got = copies[id(b)] = (b, before if before is not None else b.detach().clone())
-                    setattr(mod, name, got[1])
         set_rng_state(rng)
         program, paused = watch.program, self.enabled._mode.paused
         watch.program = False  # (checked at each op, here and now)
         self.enabled._mode.paused += 1  # (the program's mode, under the run again's)
         self.depth += 1
         try:
-            warn = watch.warn
-            check_state(module, warn)
-            for k, t in enumerate(leaves((args, kwargs))):
-                if float_value(t):
-                    check_input(t, f"input tensor {k} of {type(module).__name__}", warn)
-            with watch.at_each_op(), self.sites.mode():
-                out = _CALL(module, *args, **kwargs)
-                if backward is not None:
-                    backward(out)
+            with buffers_from(module, kept):
+                warn = watch.warn
+                check_state(module, warn)
+                for k, t in enumerate(leaves((args, kwargs))):
+                    if float_value(t):
+                        check_input(t, f"input tensor {k} of {type(module).__name__}", warn)
+                with watch.at_each_op(), self.sites.mode():
+                    out = _CALL(module, *args, **kwargs)
+                    if backward is not None:
+                        backward(out)
         finally:
             self.depth -= 1
             self.enabled._mode.paused = paused
             watch.program = program
             set_rng_state(after)
-            for mod, name, b in held:
-                setattr(mod, name, b)
         return out if backward is None else None
 
 
