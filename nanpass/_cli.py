@@ -310,6 +310,7 @@ def run_script(mode: str, report: str | None, script: str, script_args: list[str
         on.disable(failing=failure is not None)  # the verdicts still on the device
     except NonFiniteError as e:
         finding = finding or e
+    on.settle()  # (a gloo worker may still hold the mode: the process must not end under it)
     if finding is not None:
         after = (f"\nnanpass run: then {script} raised {type(failure).__name__} (its traceback "
                  f"below)") if failure is not None else ""

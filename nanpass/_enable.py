@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -106,6 +107,7 @@ class Enabled:
         # the modes below the program's, while it is off the stack from an optimizer step to the
         # next module call (``_lift``); None: on the stack
         self._lifted: tuple | None = None
+        self._refs = 0  # references to the mode before it went on the stack (``settle``)
 
     # -- on and off ----------------------------------------------------------------------------
     def _start(self) -> Enabled:
@@ -138,6 +140,7 @@ class Enabled:
         os.environ[CHILD_ENV] = (self.mode + (",every_op" if every else "")) if not self._options or every else ""
         _patch_spawn(True)
         _ScalerLog.install()
+        self._refs = self._held()
         self._mode.__enter__()
         if self._screen is not None:
             self._screen.start()
@@ -200,6 +203,21 @@ class Enabled:
         if self._outer is not None:
             self._outer._mode.paused -= 1
         self._finish()
+
+    def _held(self) -> int:
+        return sys.getrefcount(self._mode)
+
+    def settle(self, timeout: float = 2.0) -> None:
+        """After ``disable``: wait, the GIL released, until no C++ object still holds the
+        program's mode. A collective's work captures the mode stack (``at::ThreadLocalState``)
+        and a gloo worker drops it just after the script's last barrier returns; when Python is
+        already finalizing, that drop takes the GIL from a thread that must exit and the
+        process aborts ("terminate called without an active exception": torch's
+        ``PyInterpreter`` decref, every release). ``nanpass run`` calls this as the script
+        ends; free when nothing holds the mode, bounded when something does."""
+        deadline = time.monotonic() + timeout
+        while self._held() > self._refs and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def __enter__(self) -> Enabled:
         return self
@@ -584,6 +602,7 @@ def _child(prog: str) -> None:
     except NonFiniteError as e:
         print(f"{e}\n{on.stopped}", file=sys.stderr)
         code = 1
+    on.settle()  # (a DDP child's gloo worker may still hold the mode)
     sys.exit(code)
 
 

@@ -67,18 +67,7 @@ def run(name: str, mode: str, cwd: pathlib.Path):
         cmd = [sys.executable, *nanpass]
     res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
                          timeout=180 if name in DDP else 120, env=ENV)
-    for _ in range(2):
-        if name not in DDP or _TEARDOWN not in res.stderr:
-            break
-        # gloo's teardown at interpreter exit, after the script's last line, aborted one rank
-        # (SIGABRT) in 1-2 of 16 runs under load when the script ran through a wrapper (runpy,
-        # or exec in __main__ as pdb does), nanpass or not; never in 16 plain runs. Cause not
-        # found: the run is repeated (twice at most), and the repeat must pass every assertion.
-        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=180, env=ENV)
     return res
-
-
-_TEARDOWN = "terminate called without an active exception"
 
 
 def messages(stderr: str, name: str) -> str:
@@ -164,3 +153,33 @@ def test_run_help():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "--mode" in res.stdout
+
+
+def test_nanpass_run_ends_after_what_still_holds_its_mode(tmp_path, capsys):
+    """A gloo collective's work keeps a copy of the thread's state, the program's mode
+    included, and its worker thread drops it just after the script's last ``dist.barrier()``
+    returns; a process that is finalizing by then aborts that rank ("terminate called without
+    an active exception", 3 of 36 DDP runs under load; tests/nan_scripts/ddp_inner_nan.py).
+    `nanpass run` ends the script only once nothing holds the mode: here a thread stands in
+    for the worker, holding the mode for a moment after the script's last line."""
+    from nanpass._cli import main as cli
+
+    script = tmp_path / "holder.py"
+    script.write_text(
+        "import threading, time, torch\n"
+        "from nanpass._compat import function_mode_stack\n"
+        "import holder_state\n"
+        "holder_state.held = list(function_mode_stack())  # what a collective's work copies\n"
+        "def drop():\n"
+        "    time.sleep(0.2)\n"
+        "    holder_state.held.clear()\n"
+        "    holder_state.dropped = True\n"
+        "threading.Thread(target=drop, daemon=True).start()\n")
+    (tmp_path / "holder_state.py").write_text("held = []\ndropped = False\n")
+    try:
+        assert cli(["run", "--mode", "guard", str(script)]) == 0, capsys.readouterr().err
+        import holder_state
+
+        assert holder_state.dropped and not holder_state.held
+    finally:
+        sys.modules.pop("holder_state", None)
