@@ -11,16 +11,21 @@ finite operands, and in backward where its gradient turns non-finite from a fini
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextvars
+import functools
 import os
 import sys
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from ._compat import at_backward_end, custom_function, foreach_norm
+from ._compat import at_backward_end, custom_function, foreach_norm, graph_task_id
+from ._deferred import read_values
 from ._errors import NanpassError
 from ._source import _rel
 
@@ -382,102 +387,205 @@ class _Handles:
 def _places(leaf: Tensor, g: Tensor) -> tuple:
     """Where a leaf's gradient ``g`` may be found once AccumulateGrad ran: ``g`` itself kept
     as .grad, or the .grad it was added into (read as addresses: nothing is held)."""
-    old = leaf.grad if leaf.is_leaf else None
+    old = leaf.grad if leaf is not None and leaf.is_leaf else None
     return (g.data_ptr(),) if old is None else (g.data_ptr(), old.data_ptr())
 
 
+# -- one read a step ------------------------------------------------------------------------------
+# A compiled forward's flag and its backward's gradient scalar are read together as the backward
+# ends, with those of every other graph that backward ran through (a model that graph-breaks):
+# one read a training step. A forward no backward reaches is read alone, at the next forward of
+# its graph on the same thread, or as the program exits.
+
+
+class Ahead:
+    """A forward's scalars on the device, read with its backward's (``judge(values)`` -> True
+    where it named a finding: the backward's then are that finding's), or alone."""
+
+    __slots__ = ("scalars", "judge", "seq", "__weakref__")
+    _seq = 0
+
+    def __init__(self, scalars: list[Tensor], judge):
+        self.scalars, self.judge = scalars, judge
+        Ahead._seq += 1
+        self.seq = Ahead._seq
+        _UNREAD.add(self)
+        if not _AT_EXIT:
+            _AT_EXIT.append(atexit.register(_read_at_exit))
+
+    def take(self) -> list[Tensor] | None:
+        scalars, self.scalars = self.scalars, None
+        _UNREAD.discard(self)
+        return scalars
+
+    def read_alone(self) -> bool:
+        scalars = self.take()
+        if scalars is None:
+            return False
+        with torch.enable_grad():  # (as the forward ran)
+            return self.judge(read_values(scalars))
+
+
+_UNREAD: weakref.WeakSet = weakref.WeakSet()
+_AT_EXIT: list = []
+
+
+def _read_at_exit() -> None:
+    for ahead in sorted(_UNREAD, key=lambda a: a.seq):
+        ahead.read_alone()
+
+
+_JOINED: dict[int, list] = {}  # the backward running (graph task id) -> its verdicts
+_JOINED_LOCK = threading.Lock()
+
+
+def _join(verdict: _Verdict) -> None:
+    """From a hook of the backward running now: ``verdict`` is read with every other verdict
+    of that backward, in one read, as it ends (its hooks may run on several threads)."""
+    task = graph_task_id()
+    with _JOINED_LOCK:
+        joined = _JOINED.setdefault(task, [])
+        joined.append(verdict)
+        first = len(joined) == 1
+    if first:
+        at_backward_end(functools.partial(_read_backward, task))
+
+
+def _read_backward(task: int) -> None:
+    with _JOINED_LOCK:
+        joined = _JOINED.pop(task, [])
+    got = [(v, *v.collect()) for v in joined]
+    values = read_values([s for _, ahead, grads in got for s in (*(ahead or ()), *grads)])  # the one read
+    forward, backward, at = [], [], 0
+    for v, ahead, grads in got:
+        n = sum(s.numel() for s in ahead or ())
+        forward.append((v, values[at:at + n]))
+        backward.append((v, values[at + n:at + n + len(grads)]))
+        at += n + len(grads)
+    # the forwards first, in the order they ran: a forward's NaN is where the step went wrong,
+    # and the backward's non-finite gradients are its consequence
+    named = False
+    for v, vals in sorted((p for p in forward if p[0].ahead_taken), key=lambda p: p[0].ahead.seq):
+        with torch.enable_grad():  # (as the forward ran)
+            named = v.ahead.judge(vals) or named
+    if named:
+        return
+    for v, vals in backward:  # (in the order the backward reached each: the first made first)
+        v.judge(vals)
+
+
+class _Verdict:
+    """One backward of one watched forward: the scalars of the gradients it gives the leaves
+    (taken as they pass: holding a gradient till the backward ends would make AccumulateGrad
+    copy it into .grad), where each gradient may end up, and the gradients its outputs got."""
+
+    __slots__ = ("on_hit", "ahead", "ahead_taken", "reached", "upstream", "partial", "given",
+                 "armed", "handle", "multi")
+
+    def __init__(self, on_hit, ahead: Ahead | None, reached, multi: bool):
+        self.on_hit, self.ahead, self.reached, self.multi = on_hit, ahead, reached, multi
+        self.ahead_taken = False
+        self.upstream: dict[int, Tensor] = {}
+        self.partial: list[Tensor] = []
+        self.given: list[tuple] = []  # (a leaf or None, where its gradient may end up): not held
+        self.armed = False
+        self.handle = None
+
+    def got(self, pairs) -> None:  # (a leaf, or None for an input that is not one; its gradient)
+        s = gradient_scalar([g for _, g in pairs])
+        if s is not None:
+            self.partial.append(s)
+            self.given.extend((leaf, _places(leaf, g)) for leaf, g in pairs if _counted(g))
+        if not self.armed:
+            self.armed = True
+            _join(self)
+
+    def collect(self) -> tuple[list[Tensor] | None, list[Tensor]]:
+        """At the backward's end: the forward's scalars (not read yet) and the gradients'."""
+        self.armed = False
+        if self.multi:
+            if not self.upstream:  # another forward's backward reached the leaves: not this one's
+                self.partial, self.given = [], []
+                return None, []
+            self.handle.remove()
+        ahead = self.ahead.take() if self.ahead is not None else None
+        self.ahead_taken = ahead is not None
+        if self.reached is not None:
+            self.reached()
+        return ahead, list(self.partial)
+
+    def judge(self, values: list[float]) -> None:
+        upstream, given = self.upstream, self.given
+        self.upstream, self.partial, self.given = {}, [], []  # (the outputs' hooks hold it)
+        if all(v - v == 0 for v in values):
+            return
+        # a norm not finite: the gradients again, element by element, where each is in its
+        # leaf's .grad (kept as given, or added into the .grad there before, which a
+        # non-finite gradient leaves non-finite; not autograd.grad's)
+        held = [leaf.grad if leaf is not None and leaf.is_leaf else None for leaf, _ in given]
+        if any(g is None or g.data_ptr() not in ptrs for g, (_, ptrs) in zip(held, given, strict=True)) \
+                or not finite_exactly(held):
+            self.on_hit(upstream)
+
+
 def watch_backward(inputs, outs: list, on_hit, pending: collections.deque, one_graph: bool = True,
-                   nonleaf: list = ()) -> None:
+                   nonleaf: list = (), ahead: Ahead | None = None, reached=None) -> bool:
     """Once the backward from ``outs`` has given every gradient of ``inputs`` (the graph's
     inputs that need one: the parameters among them; or a function giving them, called only
     where the leaves are not found by walking back from ``outs``, with ``nonleaf``, the
-    inputs that are not leaves), one fused check of those gradients;
+    inputs that are not leaves), one fused check of those gradients, read with every other
+    of that backward (and ``ahead``, the forward's own scalars) as it ends;
     only when one is not finite, ``on_hit(upstream)`` with the gradients each output
     received (by its index among the outputs that require one), to run the step again.
+    ``reached()``: called when a backward reached this forward's outputs.
     A hook on a leaf lives until removed (one on a node, as long as its graph): each is removed
     when it fires, and at most ``_PENDING`` wait for a backward (forwards with grad and no
     backward).
     ``one_graph``: ``inputs`` are the inputs of the graph that made ``outs`` (a backend's
-    graph), so where one node made them all, its post hook sees every gradient."""
+    graph), so where one node made them all, its post hook sees every gradient.
+    False: nothing to watch (``ahead`` is the caller's to read)."""
     watched = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
     if not watched or (not callable(inputs) and not inputs):
-        return
-
-    def verdict(grads, upstream):
-        if not gradients_finite(grads):  # the one read
-            on_hit(upstream)
-
+        return False
     nodes = {o.grad_fn for o in watched}
     if one_graph and len(nodes) == 1 and None not in nodes:
         # a compiled graph's one backward node: one post hook sees the gradient of every
         # input it gives and every output's it received (a hook per input cost 4 ms of a
         # 72 ms GPT-2 step)
+        verdict = _Verdict(on_hit, ahead, reached, multi=False)
         slots = [o.output_nr for o in watched]
-        fired = []
+        node = next(iter(nodes))
 
         def after_node(grad_inputs, grad_outputs):
-            if fired:  # once (it is not removed while autograd runs the node's hooks)
+            if verdict.handle is None:  # once (it is not removed while autograd runs the node's hooks)
                 return
-            fired.append(True)
-            verdict(grad_inputs, {k: grad_outputs[nr] for k, nr in enumerate(slots)
-                                  if nr < len(grad_outputs) and grad_outputs[nr] is not None})
+            verdict.handle = None
+            verdict.upstream = {k: grad_outputs[nr] for k, nr in enumerate(slots)
+                                if nr < len(grad_outputs) and grad_outputs[nr] is not None}
+            verdict.got([(nf.variable if nf is not None and type(nf).__name__ == "AccumulateGrad" else None, g)
+                         for (nf, _), g in zip(node.next_functions, grad_inputs)])
 
-        handle = next(iter(nodes)).register_hook(after_node)
+        handle = verdict.handle = node.register_hook(after_node)
     else:  # outputs from several nodes (a view of an input among them), several graphs
-        upstream: dict[int, Tensor] = {}
+        verdict = _Verdict(on_hit, ahead, reached, multi=True)
         for k, o in enumerate(watched):
-            o.register_hook(lambda g, k=k: upstream.__setitem__(k, g))
-        # a scalar of each hook's gradients, made as they arrive: holding the gradients till
-        # the backward ends would make AccumulateGrad copy each one into .grad, not keep it
-        partial: list[Tensor] = []
-        given: list[tuple] = []  # (a leaf, where its gradient may end up): not held
-        armed: list = []
-
-        def finish():
-            armed.clear()
-            if not upstream:  # another forward's backward reached the leaves: not this one's
-                partial.clear()
-                given.clear()
-                return
-            handle.remove()
-            try:
-                if partial and not bool(torch.isfinite(torch.stack(
-                        [p.to(partial[0].device) for p in partial]).amax())):  # the one read
-                    # a norm not finite: the gradients again, element by element, where each is
-                    # in its leaf's .grad (kept as given, or added into the .grad there before,
-                    # which a non-finite gradient leaves non-finite; not autograd.grad's)
-                    held = [leaf.grad if leaf.is_leaf else None for leaf, _ in given]
-                    if any(g is None or g.data_ptr() not in ptrs for g, (_, ptrs) in zip(held, given, strict=True)) \
-                            or not finite_exactly(held):
-                        on_hit(upstream)
-            finally:
-                upstream.clear()  # (the outputs' hooks hold it as long as the outputs live)
-                partial.clear()
-                given.clear()
-
-        def got(pairs):  # (a leaf, its gradient)
-            s = gradient_scalar([g for _, g in pairs])
-            if s is not None:
-                partial.append(s)
-                given.extend((leaf, _places(leaf, g)) for leaf, g in pairs if _counted(g))
-            if not armed:
-                armed.append(True)
-                at_backward_end(finish)
-
+            o.register_hook(lambda g, k=k: verdict.upstream.__setitem__(k, g))
         givers = _givers(watched, list(nonleaf) if callable(inputs) else inputs)
         if givers is not None:  # a post hook on each node that gives a leaf its gradient
             def after(slots):
                 def hook(grad_inputs, grad_outputs):
-                    got([(leaf, grad_inputs[pos]) for leaf, pos in slots])
+                    verdict.got([(leaf, grad_inputs[pos]) for leaf, pos in slots])
                 return hook
 
             handle = _Handles([n.register_hook(after(slots)) for n, slots in givers])
         else:  # (a tensor hook: autograd.grad runs it too, a multi-grad hook not)
             leaves_ = inputs() if callable(inputs) else inputs
-            handle = _Handles([t.register_hook(lambda g, t=t: got([(t, g)])) for t in leaves_])
+            handle = _Handles([t.register_hook(lambda g, t=t: verdict.got([(t, g)])) for t in leaves_])
+        verdict.handle = handle
     pending.append(handle)
     while len(pending) > _PENDING:
         pending.popleft().remove()
+    return True
 
 
 _WALK = 64  # nodes walked back from a compiled forward's outputs to find its leaves' givers
@@ -566,9 +674,8 @@ def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device |
     # fires, and at most a few wait for a backward (forwards with grad and no backward)
     pending: collections.deque = collections.deque()
 
-    def check(bad, args):
-        if not bool(bad):  # the one sync
-            return
+    def check(args) -> bool:
+        """The graph again eagerly, at each op: the op that made the NaN or Inf, named."""
         found: list[Event] = []
         token = COLLECT.set(found)
         try:
@@ -583,6 +690,7 @@ def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device |
                            "nanpass.harden(model, mode='check') checks every op as it runs")]
         for event in found:
             _report(event, warn)
+        return True
 
     def replay(upstream: dict, args) -> None:
         """On a hit: the graph again, node by node, with the same upstream gradients."""
@@ -594,13 +702,38 @@ def flagged(compiled, sites: list, warn: bool, eager=None, probe: torch.device |
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
+    # in a training loop (a backward reached this graph's last forward on the thread) the
+    # flag is read with the backward's gradients, as the backward ends: one read a step
+    backed: dict[int, bool] = {}  # thread -> a backward reached its last forward of the graph
+    unread: dict[int, Ahead] = {}  # thread -> that forward's flag, not read yet
+
     def run(*args):  # dynamo calls what a backend returns with the flat inputs
+        tid = threading.get_ident()
+        stale = unread.pop(tid, None)
+        if stale is not None and stale.scalars is not None:  # no backward reached it
+            backed.pop(tid, None)
+            stale.read_alone()
         tapped = () if probe is None else (torch.zeros((), device=probe, requires_grad=True),)
         outs = list(compiled(*args, *tapped))
-        check(outs.pop(), args)
-        if torch.is_grad_enabled() and eager is not None:
-            inputs = [a for a in (*args, *tapped) if isinstance(a, Tensor) and a.requires_grad]
-            watch_backward(inputs, outs, lambda upstream: replay(upstream, args), pending)
+        bad = outs.pop()
+        if not (torch.is_grad_enabled() and eager is not None):
+            if bool(bad):  # the one sync
+                check(args)
+            return outs
+        inputs = [a for a in (*args, *tapped) if isinstance(a, Tensor) and a.requires_grad]
+        ahead = Ahead([bad], lambda values: bool(values[0]) and check(args)) if backed.get(tid) else None
+        if ahead is None and bool(bad):  # the one sync
+            check(args)
+
+        def reached():
+            backed[tid] = True
+
+        if watch_backward(inputs, outs, lambda upstream: replay(upstream, args), pending,
+                          ahead=ahead, reached=reached):
+            if ahead is not None:
+                unread[tid] = ahead
+        elif ahead is not None:
+            ahead.read_alone()
         return outs
 
     return run

@@ -918,6 +918,18 @@ def at_backward_end(fn) -> None:
     _queue_callback()(fn)
 
 
+@entry("graph_task_id", "torch._C._current_graph_task_id (which backward a hook runs in, as "
+       "torch's multi-grad hooks tell theirs apart)")
+def _graph_task_id():
+    return torch._C._current_graph_task_id
+
+
+def graph_task_id() -> int:
+    """The backward running now (-1 outside one): its hooks, on whichever thread, and its end
+    callbacks see the same number."""
+    return _graph_task_id()()
+
+
 @entry("op_overload", "torch._ops.OpOverload and OpOverloadPacket (aten ops a tracer runs "
        "through the function-mode stack)")
 def _op_overload():

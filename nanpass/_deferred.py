@@ -58,6 +58,29 @@ def state_of(v: float) -> int:
     return FINITE if v - v == 0 else (NAN if v != v else INF)
 
 
+def read_values(tensors: list[Tensor]) -> list[float]:
+    """Every element of ``tensors`` (flags, scalars, vectors of any dtype), in order, in one
+    copy to the host per device."""
+    if not tensors:
+        return []
+    flat = [t.reshape(-1) for t in tensors]
+    try:  # the one read (cat promotes: a flag is 0.0 or 1.0)
+        return torch.cat(flat).tolist()
+    except RuntimeError:  # several devices: one copy each
+        pass
+    by_device: dict = {}
+    for k, t in enumerate(flat):
+        by_device.setdefault(t.device, []).append(k)
+    parts: list = [None] * len(flat)
+    for ks in by_device.values():
+        vals = torch.cat([flat[k].to(torch.float64) for k in ks]).tolist()
+        at = 0
+        for k in ks:
+            n = flat[k].numel()
+            parts[k], at = vals[at:at + n], at + n
+    return [v for part in parts for v in part]
+
+
 def read(scalars: list[Tensor]) -> list[int]:
     """Every scalar's state (FINITE, INF, NAN), in one copy to the host per device."""
     if not scalars:

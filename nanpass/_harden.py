@@ -7,12 +7,14 @@ import copy
 import functools
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from ._check import (
+    Ahead,
     COLLECT,
     check_input,
     check_state,
@@ -502,45 +504,81 @@ def _settle(safe: Hardened, rng, scalars, n_reasons: int, n_data: int, out, args
     infinity elsewhere may be made on purpose (a mask): the run again decides, and a pattern
     of infinities it found quiet is not run again (the same ops non-finite, the same poles).
     The backward: one fused check of the parameters' and inputs' gradients, and on a hit the
-    step again with the same upstream gradients, checked at each node."""
+    step again with the same upstream gradients, checked at each node. In a training loop (a
+    backward reached this thread's last forward) the forward's scalars are read with the
+    backward's, as it ends: one read a step."""
     watch = safe._nanpass_sites.checker
     watch.found = False
-    if scalars is not None:
-        st = [state_of(v) for v in scalars.tolist()]  # the one read
-        if any(s != FINITE for s in st):
-            definite = (any(s != FINITE for s in st[:n_reasons]) or NAN in st[n_reasons:n_reasons + n_data]
-                        or NAN in st[n_reasons + n_data:])
-            key = tuple(st)
-            if definite or key not in watch.quiet:
-                born = watch.born
-                safe._check_again(args, kwargs, rng, "definite" if definite else "maybe")
-                if not watch.found and not definite:
-                    if watch.born == born:  # the eager run made no infinity: not reproduced
-                        _not_reproduced(safe, "forward", "an infinity in the forward")
-                    elif len(watch.quiet) < _QUIET:  # made on purpose, as the eager run saw
-                        watch.quiet.add(key)
-    if torch.is_grad_enabled():
-        model = safe._nanpass_model
+    tid = threading.get_ident()
+    backed, unread = _compiled_steps(safe)
+    stale = unread.pop(tid, None)
+    if stale is not None and stale.scalars is not None:  # no backward reached that forward
+        backed.pop(tid, None)
+        stale.read_alone()
+        watch.found = False
 
-        def inputs():  # (where the walk back from the outputs does not find the leaves)
-            return ([p for p in model.parameters() if p.requires_grad]
-                    + [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad])
+    def judge(values) -> bool:
+        st = [state_of(v) for v in values]
+        if all(s == FINITE for s in st):
+            return False
+        definite = (any(s != FINITE for s in st[:n_reasons]) or NAN in st[n_reasons:n_reasons + n_data]
+                    or NAN in st[n_reasons + n_data:])
+        key = tuple(st)
+        if definite or key not in watch.quiet:
+            born = watch.born
+            safe._check_again(args, kwargs, rng, "definite" if definite else "maybe")
+            if not watch.found and not definite:
+                if watch.born == born:  # the eager run made no infinity: not reproduced
+                    _not_reproduced(safe, "forward", "an infinity in the forward")
+                elif len(watch.quiet) < _QUIET:  # made on purpose, as the eager run saw
+                    watch.quiet.add(key)
+        return watch.found
 
-        def on_hit(upstream):
-            def backward(again):
-                _screen.backward_again(again, upstream, inputs)
+    if not torch.is_grad_enabled():
+        if scalars is not None:
+            judge(scalars.tolist())  # the one read
+        return out
+    model = safe._nanpass_model
+    ahead = Ahead([scalars], judge) if scalars is not None and backed.get(tid) else None
+    if ahead is None and scalars is not None:
+        judge(scalars.tolist())  # the one read
 
-            with torch.enable_grad():
-                safe._check_again(args, kwargs, rng, None, backward)
-            if not watch.found:
-                _not_reproduced(safe, "backward", "a non-finite gradient in the backward")
+    def inputs():  # (where the walk back from the outputs does not find the leaves)
+        return ([p for p in model.parameters() if p.requires_grad]
+                + [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad])
 
-        # (a model that graph-breaks made its output in its last graph: that graph's node
-        # does not give the parameters' gradients of the graphs before it)
-        nonleaf = [t for t in leaves((args, kwargs))
-                   if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf]
-        watch_backward(inputs, leaves(out), on_hit, watch.compiled_pending, one_graph=False, nonleaf=nonleaf)
+    def on_hit(upstream):
+        def backward(again):
+            _screen.backward_again(again, upstream, inputs)
+
+        with torch.enable_grad():
+            safe._check_again(args, kwargs, rng, None, backward)
+        if not watch.found:
+            _not_reproduced(safe, "backward", "a non-finite gradient in the backward")
+
+    def reached():
+        backed[tid] = True
+
+    # (a model that graph-breaks made its output in its last graph: that graph's node
+    # does not give the parameters' gradients of the graphs before it)
+    nonleaf = [t for t in leaves((args, kwargs))
+               if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf]
+    if watch_backward(inputs, leaves(out), on_hit, watch.compiled_pending, one_graph=False,
+                      nonleaf=nonleaf, ahead=ahead, reached=reached):
+        if ahead is not None:
+            unread[tid] = ahead
+    elif ahead is not None:
+        ahead.read_alone()
     return out
+
+
+def _compiled_steps(safe: Hardened) -> tuple[dict, dict]:
+    """Thread id -> whether a backward reached the last compiled forward there; thread id ->
+    that forward's scalars, not read yet (kept on the instance: a copy or a pickle drops them)."""
+    got = safe.__dict__.get("_nanpass_compiled_steps")
+    if got is None:
+        got = safe.__dict__["_nanpass_compiled_steps"] = ({}, {})
+    return got
 
 
 _QUIET = 64  # patterns of infinities made on purpose that a compiled check-mode model remembers

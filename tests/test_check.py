@@ -145,8 +145,9 @@ class Masked(nn.Module):
 
 @pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_compiled_check_mode_flags_on_the_device(inner):
-    """Under a real compiler: one fused check of the graph's outputs, one sync per call; when
-    it fires, an eager re-run of the graph names the op with its operands."""
+    """Under a real compiler: one fused check of the graph's outputs; when it fires, an eager
+    re-run of the graph names the op with its operands. In a training loop the check is read
+    with the backward's, as the backward ends (one read a step): the finding is raised there."""
     be = nanpass.backend(inner=inner, mode="check")
     compiled = torch.compile(Masked(), backend=be)
     x = torch.randn(2, 4, requires_grad=True)
@@ -157,7 +158,7 @@ def test_compiled_check_mode_flags_on_the_device(inner):
     mask[1] = True  # a row with no finite entry: softmax makes NaN
     with pytest.raises(nanpass.NonFiniteError, match=r"(?s)^nanpass: NaN created by torch.softmax in <root> at "
                                                      r".*test_check.py:\d+: .*operand 0: shape \(2, 4\)"):
-        compiled(x, mask)
+        compiled(x, mask).backward()
     assert all(c.action == "checked" for c in be.changes)
 
 

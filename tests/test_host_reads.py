@@ -132,7 +132,7 @@ def test_check_mode_reads_the_host_at_most_twice_a_step(name, mode):
 
 
 @pytest.mark.parametrize(("name", "mode"), [
-    pytest.param(n, m, marks=pytest.mark.slow if n == "gpt2" else ())  # (13-27 s each)
+    pytest.param(n, m, marks=pytest.mark.slow if n != "mlp" else ())  # (gpt2: 13-27 s each)
     for n in ("mlp", "encoder", "gpt2") for m in ("check", "warn")])
 def test_compiled_check_mode_reads_the_host_at_most_twice_a_step(name, mode):
     """torch.compile(harden(m, mode="check")): the compiled forward keeps a scalar per new
@@ -717,11 +717,11 @@ def test_compiled_check_names_a_gradient_no_walk_to_the_parameters_sees(case):
     assert "torch.sqrt" in _both_name(make).split("\n")[0]
 
 
-def _reads_in_a_loop(model, batch, steps: int = 3) -> int:
+def _reads_in_a_loop(model, batch, steps: int = 3, counter=_Reads) -> int:
     for _ in range(steps - 1):
         _step(model, batch)
         model.zero_grad(set_to_none=True)
-    with _Reads() as r:
+    with counter() as r:
         _step(model, batch)
     return r.n
 
@@ -761,3 +761,53 @@ def test_enable_reads_once_a_step_where_the_model_makes_its_loss(mode):
         with _Reads() as r:
             step()
     assert r.n <= plain + 1, f"enable({mode!r}): {r.n} host reads a step, plain {plain}"
+
+
+class _Broken(nn.Module):
+    """An MLP that graph-breaks in the middle: two graphs a step, each with its backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, input):
+        h = torch.relu(self.a(input))
+        torch._dynamo.graph_break()
+        return torch.log_softmax(self.b(h), -1)
+
+
+def _compiled(how: str, model, mode: str):
+    if how == "backend":
+        return torch.compile(model, backend=nanpass.backend(inner="aot_eager", mode=mode))
+    return torch.compile(nanpass.harden(model, mode=mode, watch=None), backend="aot_eager")
+
+
+@pytest.mark.parametrize(("name", "how", "mode"), [
+    (n, h, m) for n in ("mlp", "encoder", "graph break") for h in ("backend", "compile(harden)")
+    for m in ("check", "warn") if n != "encoder" or m == "check"])  # (the encoder: 2-3 s each)
+def test_compiled_check_reads_the_host_once_a_training_step(name, how, mode):
+    """In a training loop (a backward reached the graph's last forward) a compiled graph's
+    check is read with its backward's, and the backward's with every other graph's it ran
+    through, as it ends: one read a step beyond the plain compiled step's, however many graphs."""
+    model, batch = (_Broken(), {"input": torch.randn(4, 8)}) if name == "graph break" else _model(name)
+    plain = _reads_in_a_loop(torch.compile(model, backend="aot_eager"), batch, counter=_CompiledReads)
+    checked = _reads_in_a_loop(_compiled(how, model, mode), batch, counter=_CompiledReads)
+    torch._dynamo.reset()
+    assert checked <= plain + 1, f"{name}, {how}, mode={mode}: {checked} host reads a step, plain {plain}"
+
+
+@pytest.mark.parametrize("how", ["backend", "compile(harden)"])
+def test_a_compiled_forward_no_backward_reaches_is_read_at_the_next_forward(how):
+    """After training steps, a forward with grad on and no backward (an evaluation) keeps its
+    check unread till the graph's next forward on the thread, which reads it first."""
+    model = _compiled(how, _Broken(), "check")
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        model(x).sum().backward()
+    bad = x.clone()
+    bad[0, 0] = float("nan")  # NaN in the data: made NaN by the first graph's linear
+    model(bad)  # no backward
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: NaN"):
+        model(x)
+    torch._dynamo.reset()
