@@ -407,8 +407,7 @@ class Ahead:
 
     def __init__(self, scalars: list[Tensor], judge):
         self.scalars, self.judge = scalars, judge
-        Ahead._seq += 1
-        self.seq = Ahead._seq
+        self.seq = next_seq()
         _UNREAD.add(self)
         if not _AT_EXIT:
             _AT_EXIT.append(atexit.register(_read_at_exit))
@@ -439,9 +438,12 @@ _JOINED: dict[int, list] = {}  # the backward running (graph task id) -> its ver
 _JOINED_LOCK = threading.Lock()
 
 
-def _join(verdict: _Verdict) -> None:
+def join(verdict) -> None:
     """From a hook of the backward running now: ``verdict`` is read with every other verdict
-    of that backward, in one read, as it ends (its hooks may run on several threads)."""
+    of that backward, in one read, as it ends (its hooks may run on several threads).
+    A verdict has ``seq`` (its forward's order), ``collect()`` -> (its forward's scalars not
+    read yet, its backward's), ``judge_forward(values)`` -> whether it named a finding, and
+    ``judge_backward(values)``."""
     task = graph_task_id()
     with _JOINED_LOCK:
         joined = _JOINED.setdefault(task, [])
@@ -451,27 +453,33 @@ def _join(verdict: _Verdict) -> None:
         at_backward_end(functools.partial(_read_backward, task))
 
 
+def next_seq() -> int:
+    """The order forwards ran in (a verdict's forward is judged before a later one's)."""
+    Ahead._seq += 1
+    return Ahead._seq
+
+
 def _read_backward(task: int) -> None:
     with _JOINED_LOCK:
         joined = _JOINED.pop(task, [])
     got = [(v, *v.collect()) for v in joined]
-    values = read_values([s for _, ahead, grads in got for s in (*(ahead or ()), *grads)])  # the one read
-    forward, backward, at = [], [], 0
-    for v, ahead, grads in got:
-        n = sum(s.numel() for s in ahead or ())
-        forward.append((v, values[at:at + n]))
-        backward.append((v, values[at + n:at + n + len(grads)]))
-        at += n + len(grads)
+    values = read_values([s for _, fwd, bwd in got for s in (*fwd, *bwd)])  # the one read
+    parts, at = [], 0
+    for v, fwd, bwd in got:
+        n, m = sum(s.numel() for s in fwd), sum(s.numel() for s in bwd)
+        parts.append((v, values[at:at + n], values[at + n:at + n + m]))
+        at += n + m
     # the forwards first, in the order they ran: a forward's NaN is where the step went wrong,
     # and the backward's non-finite gradients are its consequence
     named = False
-    for v, vals in sorted((p for p in forward if p[0].ahead_taken), key=lambda p: p[0].ahead.seq):
-        with torch.enable_grad():  # (as the forward ran)
-            named = v.ahead.judge(vals) or named
+    for v, fwd, _ in sorted(parts, key=lambda p: p[0].seq):
+        if fwd:
+            with torch.enable_grad():  # (as the forward ran)
+                named = v.judge_forward(fwd) or named
     if named:
         return
-    for v, vals in backward:  # (in the order the backward reached each: the first made first)
-        v.judge(vals)
+    for v, _, bwd in parts:  # (in the order the backward reached each: the first made first)
+        v.judge_backward(bwd)
 
 
 class _Verdict:
@@ -479,12 +487,12 @@ class _Verdict:
     (taken as they pass: holding a gradient till the backward ends would make AccumulateGrad
     copy it into .grad), where each gradient may end up, and the gradients its outputs got."""
 
-    __slots__ = ("on_hit", "ahead", "ahead_taken", "reached", "upstream", "partial", "given",
-                 "armed", "handle", "multi")
+    __slots__ = ("on_hit", "ahead", "reached", "upstream", "partial", "given", "armed", "handle",
+                 "multi", "seq")
 
     def __init__(self, on_hit, ahead: Ahead | None, reached, multi: bool):
         self.on_hit, self.ahead, self.reached, self.multi = on_hit, ahead, reached, multi
-        self.ahead_taken = False
+        self.seq = ahead.seq if ahead is not None else next_seq()
         self.upstream: dict[int, Tensor] = {}
         self.partial: list[Tensor] = []
         self.given: list[tuple] = []  # (a leaf or None, where its gradient may end up): not held
@@ -498,23 +506,25 @@ class _Verdict:
             self.given.extend((leaf, _places(leaf, g)) for leaf, g in pairs if _counted(g))
         if not self.armed:
             self.armed = True
-            _join(self)
+            join(self)
 
-    def collect(self) -> tuple[list[Tensor] | None, list[Tensor]]:
+    def collect(self) -> tuple[list[Tensor], list[Tensor]]:
         """At the backward's end: the forward's scalars (not read yet) and the gradients'."""
         self.armed = False
         if self.multi:
             if not self.upstream:  # another forward's backward reached the leaves: not this one's
                 self.partial, self.given = [], []
-                return None, []
+                return [], []
             self.handle.remove()
         ahead = self.ahead.take() if self.ahead is not None else None
-        self.ahead_taken = ahead is not None
         if self.reached is not None:
             self.reached()
-        return ahead, list(self.partial)
+        return ahead or [], list(self.partial)
 
-    def judge(self, values: list[float]) -> None:
+    def judge_forward(self, values: list[float]) -> bool:
+        return self.ahead.judge(values)
+
+    def judge_backward(self, values: list[float]) -> None:
         upstream, given = self.upstream, self.given
         self.upstream, self.partial, self.given = {}, [], []  # (the outputs' hooks hold it)
         if all(v - v == 0 for v in values):

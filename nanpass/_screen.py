@@ -44,9 +44,10 @@ import weakref
 import torch
 
 from . import _fastpath
-from ._check import COLLECT, check_input, check_state, finite_exactly, gradient_scalar, runs_its_own_backward
+from ._check import (COLLECT, check_input, check_state, finite_exactly, gradient_scalar, join, next_seq,
+                     runs_its_own_backward)
 from ._compat import at_backward_end, backward_accumulates, function_mode_stack, functorch_active, version
-from ._deferred import FINITE, NAN, read, scalar
+from ._deferred import FINITE, NAN, read, scalar, state_of
 from ._watch import leaves, readable
 
 Tensor = torch.Tensor
@@ -302,7 +303,7 @@ class _Backward:
 
     __slots__ = ("safe", "args", "kwargs", "rng", "kept", "explained", "upstream", "heads",
                  "armed", "accumulates", "leaves", "kept_in", "handles", "partial", "graphed", "second",
-                 "ahead", "tid", "__weakref__")
+                 "ahead", "tid", "seq", "__weakref__")
 
     @classmethod
     def watch(cls, safe, args, kwargs, rng, kept, outs, explained: bool, ahead: _Forward | None = None):
@@ -314,6 +315,7 @@ class _Backward:
             return None
         step = cls()
         step.ahead = ahead
+        step.seq = next_seq()
         step.tid = threading.get_ident()  # (the forward's thread: a GPU's backward runs on another)
         if ahead is not None:
             _unread(safe)[step.tid] = step
@@ -367,7 +369,7 @@ class _Backward:
             nonleaf = [t for t in self.leaves if not t.is_leaf]  # (an upstream model's output)
             hooked = nonleaf if self.accumulates else self.leaves
             self.handles = [t.register_hook(self._given) for t in hooked]
-            at_backward_end(self.finish)
+            self._arm()
         if g is not None:
             self.upstream[k] = g
             if readable(g):
@@ -379,17 +381,15 @@ class _Backward:
         if not self.armed:
             self.armed, self.second, self.accumulates = True, True, False
             self.upstream, self.heads, self.partial = {}, [], []
-            at_backward_end(self.finish)
+            self._arm()
         self._given(g)
 
     def _given(self, g):  # a scalar as it passes (holding it would make AccumulateGrad copy it)
         if isinstance(g, Tensor) and float_value(g):
             self.partial.append(scalar(g))
 
-    def finish(self) -> None:
-        got = self._collect()
-        if got is not None:
-            self._judge(read([s.to(got[0][0].device) for s in got[0]]), *got[1:])  # the one read
+    def _arm(self) -> None:  # read with every other verdict of this backward, as it ends
+        join(_Joined(self))
 
     def _collect(self):
         """At the backward's end: its scalars on the device (the gradients the outputs got,
@@ -699,10 +699,39 @@ class _Called:
             not_reproduced(unit, "forward", f"the screen saw NaN in an output of {name}")
 
 
+class _Joined:
+    """A harden screen's backward among the verdicts its backward reads in one copy
+    (``_check.join``): its forward's scalars, then its gradients'."""
+
+    __slots__ = ("backward", "got", "n", "seq")
+
+    def __init__(self, backward: _Backward):
+        self.backward, self.got, self.n, self.seq = backward, None, 0, backward.seq
+
+    def collect(self) -> tuple[list[Tensor], list[Tensor]]:
+        self.got = got = self.backward._collect()
+        if got is None:
+            return [], []
+        ahead = got[1]
+        self.n = len(ahead.scalars) if ahead is not None else 0
+        return got[0][:self.n], got[0][self.n:]
+
+    def judge_forward(self, values: list[float]) -> bool:
+        b, ahead = self.backward, self.got[1]
+        return ahead.judge(b.safe, [state_of(v) for v in values], b.args, b.kwargs, b.rng, b.kept)
+
+    def judge_backward(self, values: list[float]) -> None:
+        if self.got is not None:
+            self.backward._judge([state_of(v) for v in values], None, *self.got[2:])
+
+
 class _ProgramBackward(_Backward):
     """A screened call's backward, its scalars read with the program's (``_Called``)."""
 
     __slots__ = ()
+
+    def _arm(self) -> None:
+        at_backward_end(self.finish)
 
     def finish(self) -> None:
         got = self._collect()

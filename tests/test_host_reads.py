@@ -811,3 +811,52 @@ def test_a_compiled_forward_no_backward_reaches_is_read_at_the_next_forward(how)
     with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: NaN"):
         model(x)
     torch._dynamo.reset()
+
+
+class _Root(nn.Module):
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.lin = nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return torch.sqrt(self.lin(x))
+
+
+def _pair(mode: str):
+    torch.manual_seed(0)
+    first, second = _Root(8, 8), _Root(8, 2)
+    for m in (first, second):  # every value positive: finite steps
+        nn.init.uniform_(m.lin.weight, 0.0, 0.1)
+        nn.init.constant_(m.lin.bias, 1.0)
+    return first, nanpass.harden(first, mode=mode, watch=None), nanpass.harden(second, mode=mode, watch=None)
+
+
+@pytest.mark.parametrize("mode", ["check", "warn"])
+def test_two_screened_models_read_the_host_once_a_training_step(mode):
+    """Two hardened models in one step (an encoder and its head, a GAN's pair): each one's
+    screen is read with the other's, as their backward ends, in one copy."""
+    _, safe_first, safe_second = _pair(mode)
+    x = torch.rand(4, 8)
+
+    def step():
+        safe_second(safe_first(x)).mean().backward()
+
+    for _ in range(2):
+        step()
+    with _Reads() as r:
+        step()
+    assert r.n <= 1, f"mode={mode}: {r.n} host reads a step for two hardened models"
+
+
+def test_two_screened_models_name_the_first_birth_of_the_step():
+    """Read together, the forwards are judged in the order they ran: the NaN born in the
+    first model is named where it is born, not as NaN passing through the second."""
+    first, safe_first, safe_second = _pair("check")
+    x = torch.rand(4, 8)
+    for _ in range(2):
+        safe_second(safe_first(x)).mean().backward()
+    with torch.no_grad():
+        first.lin.weight.zero_()
+        first.lin.bias.fill_(-1.0)  # lin(x) is -1 exactly: sqrt makes NaN
+    with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: NaN created by torch.sqrt"):
+        safe_second(safe_first(x)).mean().backward()
