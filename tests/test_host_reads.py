@@ -784,8 +784,9 @@ def _compiled(how: str, model, mode: str):
 
 
 @pytest.mark.parametrize(("name", "how", "mode"), [
-    (n, h, m) for n in ("mlp", "encoder", "graph break") for h in ("backend", "compile(harden)")
-    for m in ("check", "warn") if n != "encoder" or m == "check"])  # (the encoder: 2-3 s each)
+    pytest.param(n, h, m, marks=pytest.mark.slow if n == "encoder" or m == "warn" else ())
+    for n in ("mlp", "encoder", "graph break") for h in ("backend", "compile(harden)")
+    for m in ("check", "warn")])  # (1-3 s each: the fast tier keeps check mode's mlp and break)
 def test_compiled_check_reads_the_host_once_a_training_step(name, how, mode):
     """In a training loop (a backward reached the graph's last forward) a compiled graph's
     check is read with its backward's, and the backward's with every other graph's it ran
