@@ -316,6 +316,7 @@ def test_the_report_says_what_each_site_really_did(count):
         assert [(r.op, r.calls) for r in nanpass.stats(safe).rows] == [("pow", 1)]
 
 
+@pytest.mark.slow  # (3 s)
 def test_hf_gpt2_gelu_cube_is_reported_left_in_float32():
     """The issue's case: Hugging Face GPT-2's gelu_new in float32, counted."""
     pytest.importorskip("transformers")

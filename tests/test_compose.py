@@ -334,6 +334,7 @@ def _frames(model, x) -> int:
     return torch._dynamo.utils.counters["frames"]["ok"]
 
 
+@pytest.mark.slow  # (2.8 s: the fast tier's 3 minutes)
 def test_a_graph_break_in_a_compiled_hardened_model_costs_one_frame_more():
     """Issue 28 item 7: a graph break in the model splits every frame between dynamo and it.
     Hardened, that was four of nanpass's frames (and two resumes), each a cache lookup on
@@ -465,6 +466,7 @@ class _HistogramLoss(torch.nn.Module):
         return (hist_neg * cdf.sum(0)).sum()
 
 
+@pytest.mark.slow  # (3.5 s)
 @_TORCH_OWN
 def test_compiled_hardened_histogram_loss_runs_as_eager_harden():
     """Issue 39 item 2: the plain loss compiles and eager harden runs; compiled hardened, it
