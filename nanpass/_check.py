@@ -366,12 +366,6 @@ def finite_exactly(grads) -> bool:
     return bool(torch.stack([torch.isfinite(g).all().to(on) for g in grads]).all())
 
 
-def gradients_finite(grads) -> bool:
-    """One fused check (one read) of a backward's gradients (two where the norm overflowed)."""
-    s = gradient_scalar(grads)
-    return s is None or bool(torch.isfinite(s)) or finite_exactly(grads)
-
-
 class _Handles:
     __slots__ = ("handles",)
 
