@@ -15,6 +15,7 @@ import atexit
 import collections
 import contextvars
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -397,7 +398,6 @@ class Ahead:
     where it named a finding: the backward's then are that finding's), or alone."""
 
     __slots__ = ("scalars", "judge", "seq", "__weakref__")
-    _seq = 0
 
     def __init__(self, scalars: list[Tensor], judge):
         self.scalars, self.judge = scalars, judge
@@ -430,6 +430,8 @@ def _read_at_exit() -> None:
 
 _JOINED: dict[int, list] = {}  # the backward running (graph task id) -> its verdicts
 _JOINED_LOCK = threading.Lock()
+_JOINED_MAX = 16  # backwards whose verdicts wait at once (threads; backwards that raised)
+_SEQ = itertools.count(1)
 
 
 def join(verdict) -> None:
@@ -443,14 +445,15 @@ def join(verdict) -> None:
         joined = _JOINED.setdefault(task, [])
         joined.append(verdict)
         first = len(joined) == 1
+        while len(_JOINED) > _JOINED_MAX:  # a backward that raised never ran its end callback:
+            _JOINED.pop(next(iter(_JOINED)))  # its verdicts (and gradients they hold) dropped
     if first:
         at_backward_end(functools.partial(_read_backward, task))
 
 
 def next_seq() -> int:
     """The order forwards ran in (a verdict's forward is judged before a later one's)."""
-    Ahead._seq += 1
-    return Ahead._seq
+    return next(_SEQ)  # (one C call: two threads never get the same number)
 
 
 def _read_backward(task: int) -> None:

@@ -861,3 +861,23 @@ def test_two_screened_models_name_the_first_birth_of_the_step():
         first.lin.bias.fill_(-1.0)  # lin(x) is -1 exactly: sqrt makes NaN
     with pytest.raises(nanpass.NonFiniteError, match=r"^nanpass: NaN created by torch.sqrt"):
         safe_second(safe_first(x)).mean().backward()
+
+
+def test_a_backward_that_raises_leaves_no_verdicts_behind():
+    """A hook that raises ends the backward before its end callback, which would have read the
+    verdicts joined so far: those are dropped past a bound, never kept for the process's life
+    (each holds the gradients its outputs got)."""
+    from nanpass import _check
+
+    model = torch.compile(nn.Linear(4, 4), backend=nanpass.backend(inner="aot_eager", mode="check"))
+    x = torch.ones(2, 4, requires_grad=True)
+
+    def refuse(g):
+        raise RuntimeError("the user's hook")
+
+    x.register_hook(refuse)
+    for _ in range(3 * _check._JOINED_MAX):
+        with pytest.raises(RuntimeError, match="the user's hook"):
+            model(x).sum().backward()
+    assert len(_check._JOINED) <= _check._JOINED_MAX
+    torch._dynamo.reset()
