@@ -21,6 +21,16 @@ pytestmark = pytest.mark.slow
 _SKIP = ("empty", "new_empty", "empty_like", "new_empty_strided", "empty_strided", "empty_permuted")
 
 
+@pytest.fixture(autouse=True)
+def _no_stack_walk(monkeypatch):
+    """Each ``op.sample_inputs`` walks the whole stack with ``inspect.stack()`` to find a
+    unittest method's per-sample skips (this module has none): a quarter of the sweep's time
+    under pytest's deep stack."""
+    from torch.testing._internal.opinfo import core
+
+    monkeypatch.setattr(core, "extract_test_fn", lambda: None)
+
+
 def _unstable(op, sample) -> bool:
     """lstsq's gelsy driver on an underdetermined system: two plain calls often disagree."""
     return op.name == "linalg.lstsq" and sample.kwargs.get("driver") == "gelsy"
@@ -152,10 +162,13 @@ def test_every_op_db_sample_keeps_the_originals_bits_through_the_backend():
     the first sample of every op."""
     import torch._dynamo
 
-    def compiled(backend, model, x):
+    def compile(backend, model):
         torch._dynamo.reset()
+        return torch.compile(model, backend=backend)
+
+    def run(fn, x):
         torch.manual_seed(0)
-        return _flat(torch.compile(model, backend=backend)(x))
+        return _flat(fn(x))
 
     checked, wrong = 0, []
     with warnings.catch_warnings():
@@ -167,8 +180,8 @@ def test_every_op_db_sample_keeps_the_originals_bits_through_the_backend():
             plain = One(op, samples[0])
             x = samples[0].input
             try:
-                want = compiled("aot_eager", plain, x)
-                again = compiled("aot_eager", plain, x)
+                fn = compile("aot_eager", plain)
+                want, again = run(fn, x), run(fn, x)
                 if not want or not _finite(want) or any(t.is_complex() for t in want):
                     continue
             except Exception:  # noqa: BLE001 - the plain model does not compile either
@@ -177,7 +190,7 @@ def test_every_op_db_sample_keeps_the_originals_bits_through_the_backend():
                 continue  # the plain op differs from itself
             name = f"{op.name}.{op.variant_test_name or ''}"
             try:
-                got = compiled(nanpass.backend(inner="aot_eager"), plain, x)
+                got = run(compile(nanpass.backend(inner="aot_eager"), plain), x)
             except Exception as e:  # noqa: BLE001 - the message is the result
                 wrong.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
                 continue
