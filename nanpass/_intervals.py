@@ -705,6 +705,17 @@ for _n, _f in (("floor", torch.floor), ("ceil", torch.ceil), ("round", torch.rou
     if _f is not None:
         TRANSFER[_n] = _unary(_f)
 TRANSFER["erfc"] = _unary(torch.erfc, decreasing=True)
+
+
+def _erf(bx, a, k, o):
+    """The CPU's vectorised erf (1 - t * exp(-x^2), in float32 for the half dtypes) is off by
+    about float32's eps absolutely, not by ulps: bfloat16 erf(1e-15) is 0."""
+    r = monotone(bx(a[0]), torch.erf)
+    slack = 8 * max(float(torch.finfo(torch.float32).eps), float(torch.finfo(o.dtype).eps))
+    return Box((r.lo - slack).clamp(min=-1.0), (r.hi + slack).clamp(max=1.0), r.nan)
+
+
+TRANSFER["erf"] = _erf
 TRANSFER["leaky_relu"] = lambda bx, a, k, o: monotone(bx(a[0]), lambda t: torch.nn.functional.leaky_relu(t, float(_arg(a, k, 1, "negative_slope", 0.01)))) if float(_arg(a, k, 1, "negative_slope", 0.01)) >= 0 else None  # noqa: E501
 TRANSFER["elu"] = lambda bx, a, k, o: monotone(bx(a[0]), torch.nn.functional.elu) if len(a) < 2 or a[1] == 1 else None
 TRANSFER["log_sigmoid_forward"] = lambda bx, a, k, o: [monotone(bx(a[0]), torch.nn.functional.logsigmoid), top_like(o[1])]

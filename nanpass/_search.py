@@ -153,6 +153,17 @@ def _objective(rule: str, ins: list[Tensor], outs: list[Tensor]) -> Tensor | Non
     return -outs[0].float().abs().max() if outs else None
 
 
+def _uniform(lo: Tensor, hi: Tensor, gen) -> Tensor:
+    """A float64 draw inside [lo, hi]. An infinite bound is drawn as ±1e30, never past the
+    other bound: clamping both bounds to ±1e30 put a range beyond 1e30 outside itself, and a
+    finding there did not reproduce at its own inputs."""
+    far = torch.full_like(lo, 1e30)
+    fl = torch.where(torch.isinf(lo), torch.minimum(hi, -far), lo)
+    fh = torch.where(torch.isinf(hi), torch.maximum(fl, far), hi)
+    u = torch.rand(lo.shape, generator=gen, dtype=torch.float64)
+    return torch.where(lo == hi, lo, fl + u * (fh - fl))
+
+
 def _corners(specs, example, boxes, gen, n_random):
     """Candidate inputs: corners, special values clamped into the ranges, random mixes, uniform."""
     idx = [i for i, s in enumerate(specs) if s is not None]
@@ -174,9 +185,7 @@ def _corners(specs, example, boxes, gen, n_random):
             elif c == "mix":
                 v = torch.where(torch.rand(lo.shape, generator=gen, dtype=torch.float64) < 0.5, lo, hi)
             else:  # uniform
-                u = torch.rand(lo.shape, generator=gen, dtype=torch.float64)
-                fl, fh = lo.clamp(min=-1e30), hi.clamp(max=1e30)
-                v = fl + u * (fh - fl)
+                v = _uniform(lo, hi, gen)
             v = v.to(x.dtype) if x.is_floating_point() else v.round().to(x.dtype)
             xs[i] = torch.maximum(torch.minimum(v, hi.to(v.dtype)), lo.to(v.dtype))
         return ("corner" if all(c in ("lo", "hi") or isinstance(c, float) for c in choice) else "random"), xs
@@ -295,6 +304,6 @@ def _gradient_search(model, example, boxes, leaves, target, stop, gen, note) -> 
             restarts += 1
             step = 0.25
             for i in leaves:  # restart from a random point in the ranges
-                lo, hi = boxes[i].lo.clamp(min=-1e30), boxes[i].hi.clamp(max=1e30)
-                u = torch.rand(lo.shape, generator=gen, dtype=torch.float64)
-                xs[i] = (lo + u * (hi - lo)).to(example[i].dtype)
+                lo, hi = boxes[i].lo, boxes[i].hi
+                x = _uniform(lo, hi, gen).to(example[i].dtype)
+                xs[i] = torch.maximum(torch.minimum(x, hi.to(x.dtype)), lo.to(x.dtype))

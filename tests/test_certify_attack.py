@@ -9,7 +9,10 @@ up, then down), and for a proven certificate nanpass.search. Checks, on the mode
 nanpass.harden(model): every concrete value of every aten op lies in its box, and a proven
 certificate is finite on every sample.
 
-Fast tier: a small budget (NANPASS_ATTACK_EXAMPLES, default 10); slow tier: 400.
+Fast tier: a small budget (NANPASS_ATTACK_EXAMPLES, default 10); slow tier: 400, drawn from a
+fixed seed so that CI passes or fails on the same models each run (NANPASS_ATTACK_RANDOM=1 draws
+new ones: the CI run of 2026-11-29 drew two holes, a search restart outside a range beyond 1e30
+and bfloat16 erf's absolute error, both fixed, with tests in test_search.py and here).
 """
 
 from __future__ import annotations
@@ -207,11 +210,18 @@ def test_attack_soundness(prog):
 
 
 @pytest.mark.slow
-@settings(max_examples=400, **_SETTINGS)
+@settings(max_examples=400, derandomize=os.environ.get("NANPASS_ATTACK_RANDOM") != "1", **_SETTINGS)
 @given(programs())
 def test_attack_soundness_slow(prog):
     model, dtype, ranges = prog
     run_attack(model, dtype, ranges)
+
+
+def test_bfloat16_erf_of_a_tiny_value_is_in_its_box():
+    """The CPU's vectorised erf is off by about float32's eps absolutely: bfloat16
+    erf(rsqrt(1e30)) is 0, not 1e-15 (the slow attack's draw)."""
+    model = Program([("abs", 0, 0), ("abs", 0, 0), ("abs", 0, 0), ("rsqrt", 0, 0), ("erf", 5, 0)], n_inputs=2)
+    run_attack(model, torch.bfloat16, [(1.0000000150474662e30, 1.0000000150474662e30), (0.0, 0.0)], search=False)
 
 
 def test_attack_has_teeth(monkeypatch):

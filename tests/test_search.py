@@ -86,6 +86,25 @@ def test_search_nothing_when_proven_and_respects_budget():
     assert time.perf_counter() - t < 3.0
 
 
+@pytest.mark.parametrize("point", [-1.00000009060533e30, 3e30], ids=["-1.0000001e30", "3e30"])
+def test_a_range_beyond_1e30_is_searched_inside_itself(point):
+    """A variance over one point: 0 there, but inf over two float32 neighbours 1e30 apart. The
+    random restarts clamped both bounds to +-1e30, drew outside the range, and reported a
+    NaN at inputs where the model is finite (found by the 400-model attack test)."""
+
+    class Var(nn.Module):
+        def forward(self, x):
+            return x.var(-1, keepdim=True)
+
+    point = float(torch.tensor(point))  # a float32 value: the input lies in its own range
+    x = torch.full((3, 4), point)
+    assert bool(torch.isfinite(Var()(x)).all())
+    found = nanpass.search(Var(), x, ranges=(point, point), budget=0.5)
+    for f in found:  # none, or one that reproduces inside the range
+        _inside(f.inputs, [(point, point)])
+    assert found == []
+
+
 def test_search_hardened_searches_original():
     findings = nanpass.search(nanpass.harden(LogShift()), torch.rand(4, 3), ranges=(0, 1), budget=1.0)
     assert findings and findings[0].op == "log"
